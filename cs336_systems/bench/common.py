@@ -1,0 +1,86 @@
+"""Options and helpers shared by every suite: device choice, dtype names, list parsing, OOM handling."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_device(value: str) -> torch.device:
+    try:
+        device = torch.device(value)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(f"--device: {value!r} is not a device ({e})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"--device: got {value!r}; allowed: cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("--device: got 'cuda' but no CUDA device is visible; use --device cpu")
+    return device
+
+
+def list_of(kind, allowed=None, name: str = "value"):
+    """argparse type for comma-separated lists, each item converted by `kind` and checked against `allowed`."""
+
+    def parse(text: str):
+        items = []
+        for raw in text.split(","):
+            raw = raw.strip()
+            try:
+                item = kind(raw)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
+            if allowed is not None and item not in allowed:
+                raise argparse.ArgumentTypeError(f"{name}: got {raw!r}; allowed: {', '.join(map(str, allowed))}")
+            items.append(item)
+        return items
+
+    return parse
+
+
+def positive_int(name: str, minimum: int = 1):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name}: got {value}; must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", type=parse_device, default=default_device(),
+                        help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
+    parser.add_argument("--results-dir", default="runs",
+                        help="folder for the JSON-Lines result rows (default: runs/, git-ignored)")
+    parser.add_argument("--latex", action="store_true", help="print the table as LaTeX instead of Markdown")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def autocast_context(device: torch.device, dtype_name: str):
+    """bf16/fp16 autocast, or a nullcontext for fp32 (parameters stay fp32 either way)."""
+    if dtype_name == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype_name])
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

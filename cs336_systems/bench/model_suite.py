@@ -1,0 +1,315 @@
+"""The `model` suite: forward, forward-backward and train-step timings of the LM.
+
+Handout problems: benchmarking_script, mixed_precision_accumulation's autocast part,
+torch_compile (b). Each configuration is (preset, context, dtype, compile, provider);
+the model is built once per configuration and every requested mode is timed on it.
+Providers: `ours` (cs336_basics model, our AdamW, attention chosen by --attention) and
+`baseline` (PyTorch-native LM, SDPA attention, torch's fused AdamW).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from cs336_basics.nn_utils import cross_entropy
+from cs336_basics.optimizer import AdamW
+from cs336_systems.attention import attention_names, use_attention
+from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer
+from cs336_systems.bench.common import (
+    DTYPES,
+    add_common_arguments,
+    autocast_context,
+    free_memory,
+    is_oom,
+    list_of,
+    positive_int,
+)
+from cs336_systems.bench.results import ResultStore, format_table, pivot_table
+from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
+from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
+from cs336_systems.profiling.timing import time_fn
+
+MODES = ("forward", "forward-backward", "train-step")
+PROVIDERS = ("ours", "baseline")
+PHASES = ("forward", "loss", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    preset: str
+    context: int
+    batch: int
+    dtype: str
+    compile: bool
+    provider: str
+    attention: str
+
+    def model_config(self, overrides: dict) -> ModelConfig:
+        return ModelConfig.from_name(self.preset, context_length=max(self.context, 1), **overrides)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", type=list_of(str, preset_names(), "--preset"), default=["tiny"],
+                        help=f"model preset(s), comma-separated: {', '.join(preset_names())} (default tiny)")
+    parser.add_argument("--context", type=list_of(positive_int("--context"), name="--context"), default=None,
+                        help="context length(s), comma-separated (default: 512, or 128 for tiny)")
+    parser.add_argument("--batch", type=positive_int("--batch"), default=4, help="batch size (default 4)")
+    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=["fp32"],
+                        help="fp32, bf16, fp16 (autocast), comma-separated (default fp32)")
+    parser.add_argument("--compile", type=list_of(str, ("off", "on"), "--compile"), default=["off"],
+                        help="torch.compile the model: off, on, or off,on (default off)")
+    parser.add_argument("--mode", type=list_of(str, MODES, "--mode"), default=list(MODES),
+                        help="forward, forward-backward, train-step, comma-separated (default all)")
+    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=["ours"],
+                        help="ours, baseline (PyTorch-native LM, SDPA, fused AdamW), or ours,baseline")
+    parser.add_argument("--attention", choices=attention_names(), default="reference",
+                        help="our attention implementation (default: reference, the staff maths)")
+    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5, help="warm-up steps (default 5)")
+    parser.add_argument("--steps", type=positive_int("--steps"), default=10, help="timed steps (default 10)")
+    for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
+                             ("num-heads", "heads"), ("vocab-size", "vocabulary")):
+        parser.add_argument(f"--{field}", type=positive_int(f"--{field}"), default=None,
+                            help=f"override the preset's {help_text}")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak for MFU (default: measured with a large bf16 matmul on CUDA)")
+    parser.add_argument("--nvtx", action="store_true", help="NVTX ranges around phases and attention parts")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over the timed steps: trace file and kernel summary")
+    parser.add_argument("--memory", action="store_true",
+                        help="CUDA memory history: snapshot pickle, timeline PNG and per-phase peaks")
+    add_common_arguments(parser)
+
+
+def _overrides(args) -> dict:
+    names = {"d_model": args.d_model, "d_ff": args.d_ff, "num_layers": args.num_layers,
+             "num_heads": args.num_heads, "vocab_size": args.vocab_size}
+    return {k: v for k, v in names.items() if v is not None}
+
+
+def cases(args) -> list[ModelCase]:
+    contexts = args.context or [None]
+    out = []
+    for preset, context, dtype, comp, provider in itertools.product(args.preset, contexts, args.dtype,
+                                                                      args.compile, args.provider):
+        ctx = context or ModelConfig.from_name(preset).context_length
+        attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
+        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention))
+    return out
+
+
+class _Harness:
+    """The model, optimizer, batch and step functions of one configuration."""
+
+    def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device):
+        self.case, self.cfg, self.device = case, cfg, device
+        torch.manual_seed(0)
+        if case.provider == "ours":
+            self.model = cfg.build(device=device)
+            self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
+        else:
+            self.model = BaselineLM(cfg).to(device)
+            self.optimizer = baseline_optimizer(self.model, device)
+        self.forward_model = torch.compile(self.model) if case.compile else self.model
+        self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
+        self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
+
+    def attention_context(self):
+        return use_attention(self.case.attention) if self.case.provider == "ours" else contextlib.nullcontext()
+
+    def step_fn(self, mode: str, phase):
+        autocast = autocast_context(self.device, self.case.dtype)
+
+        def forward():
+            with torch.no_grad(), autocast, phase("forward"):
+                self.forward_model(self.x)
+
+        def forward_backward():
+            with autocast:
+                with phase("forward"):
+                    logits = self.forward_model(self.x)
+                with phase("loss"):
+                    loss = cross_entropy(logits.float(), self.y)
+            with phase("backward"):
+                loss.backward()
+
+        def train_step():
+            self.optimizer.zero_grad(set_to_none=True)
+            forward_backward()
+            with phase("optimizer"):
+                self.optimizer.step()
+
+        return {"forward": forward, "forward-backward": forward_backward, "train-step": train_step}[mode]
+
+
+def run(args) -> int:
+    device: torch.device = args.device
+    if args.memory and device.type != "cuda":
+        raise SystemExit("--memory records CUDA allocator history; it needs --device cuda")
+    overrides = _overrides(args)
+    all_cases = cases(args)
+    for case in all_cases:  # validate every configuration before any work starts
+        case.model_config(overrides)
+    store = ResultStore("model", device, args.results_dir)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (
+        measure_matmul_peak(device) if device.type == "cuda" else None)
+    if peak:
+        store.add(provider="torch", config={"op": "matmul", "dtype": "bf16", "size": 8192},
+                  metric="matmul_peak", unit="TFLOP/s", value=peak / 1e12)
+    for case in tqdm(all_cases, desc="model suite", disable=args.no_progress):
+        _run_case(case, case.model_config(overrides), args, store, peak)
+    _print_table(store, args)
+    return 0
+
+
+def _record_failure(store: ResultStore, provider: str, config: dict, metric: str, error: BaseException) -> None:
+    """A failed configuration is a row with its status; the sweep goes on."""
+    status = "oom" if is_oom(error) else "error"
+    message = (str(error).splitlines() or [type(error).__name__])[0][:300]
+    if status == "error":
+        traceback.print_exception(error, file=sys.stderr)
+    store.add(provider=provider, config=config, metric=metric, unit="ms", status=status, message=message)
+
+
+def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
+    device = args.device
+    config = {k: v for k, v in asdict(case).items() if k != "provider"}  # provider is a row field
+    config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
+    free_memory(device)
+    ranges = PhaseRanges(device, nvtx=args.nvtx, time=True)
+    harness = None
+    try:
+        harness = _Harness(case, cfg, device)
+    except Exception as error:
+        for mode in args.mode:
+            _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+        return
+    names_attention = case.provider == "ours" and case.attention == "reference"
+    with harness.attention_context(), annotated_attention(ranges) if names_attention else contextlib.nullcontext():
+        for mode in args.mode:
+            try:
+                _time_mode(harness, mode, config, args, store, ranges, peak)
+            except Exception as error:
+                _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+                harness.optimizer.zero_grad(set_to_none=True)
+                free_memory(device)
+        for wanted, stage in ((args.profile, _profile), (args.memory, _memory)):
+            if wanted:
+                try:
+                    stage(harness, args.mode[-1], config, args, store)
+                except Exception as error:
+                    _record_failure(store, case.provider, config | {"mode": args.mode[-1]}, stage.__name__[1:], error)
+    del harness
+    free_memory(device)
+
+
+def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultStore, ranges: PhaseRanges,
+               peak: float | None) -> None:
+    device, provider = args.device, harness.case.provider
+    step = harness.step_fn(mode, ranges.phase)
+    measured = (lambda: torch.cuda.nvtx.range("measured")) if ranges.nvtx else contextlib.nullcontext
+
+    def timed():
+        with measured():
+            step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset)
+    row_config = config | {"mode": mode}
+    store.add(provider=provider, config=row_config, metric="time", unit="ms", stats=timing.stats())
+    if timing.first_call_s is not None:  # carries compilation when --compile on
+        store.add(provider=provider, config=row_config, metric="first_call_time", unit="ms",
+                  value=timing.first_call_s * 1e3)
+    tokens = harness.case.batch * harness.case.context
+    store.add(provider=provider, config=row_config, metric="tokens_per_s", unit="tok/s", value=tokens / timing.median)
+    flops = flops_for_mode(harness.cfg, harness.case.batch, harness.case.context, mode)
+    store.add(provider=provider, config=row_config, metric="tflops", unit="TFLOP/s", value=flops / timing.median / 1e12)
+    if peak:
+        store.add(provider=provider, config=row_config, metric="mfu", unit="%", value=100 * flops / timing.median / peak)
+    for phase, samples in ranges.collect().items():
+        store.add(provider=provider, config=row_config | {"phase": phase}, metric="phase_time", unit="ms",
+                  value=sum(samples) / args.steps * 1e3)
+    if device.type == "cuda":
+        store.add(provider=provider, config=row_config, metric="peak_allocated", unit="GiB",
+                  value=torch.cuda.max_memory_allocated(device) / 2**30)
+
+
+def _artifact_stem(args, case: ModelCase, mode: str) -> Path:
+    name = f"{case.preset}_ctx{case.context}_{case.dtype}_{case.provider}_{mode}" + ("_compiled" if case.compile else "")
+    return Path(args.results_dir) / "traces" / name
+
+
+def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
+    from cs336_systems.profiling.trace import profile_steps
+
+    ranges = PhaseRanges(args.device, record=True, nvtx=args.nvtx)
+    step = harness.step_fn(mode, ranges.phase)
+    trace_path = _artifact_stem(args, harness.case, mode).with_suffix(".pt.trace.json")
+    range_names = PHASES + ("attention/scores", "attention/softmax", "attention/matmul")
+    with annotated_attention(ranges) if harness.case.provider == "ours" else contextlib.nullcontext():
+        summary = profile_steps(step, steps=args.steps, device=args.device, trace_path=trace_path,
+                                range_names=range_names)
+    print(f"\nkernel summary, {mode} ({harness.case.preset}, ctx {harness.case.context}, "
+          f"{harness.case.dtype}, {harness.case.provider}); trace: {trace_path}")
+    print(format_table(summary.head(20).round(4)))
+    for row in summary.head(40).itertuples():
+        store.add(provider=harness.case.provider,
+                  config=config | {"mode": mode, "range": row.range, "kernel": row.kernel[:120],
+                                   "calls_per_step": row.calls_per_step, "share": round(row.share, 5)},
+                  metric="profile_kernel_time", unit="ms", value=row.total_ms / args.steps)
+
+
+def _memory(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
+    from cs336_systems.profiling.memory_timeline import PhaseClock, plot_active_memory, record_memory_history
+
+    clock = PhaseClock()
+    per_phase = PhaseRanges(args.device, memory=True)
+
+    @contextlib.contextmanager
+    def phase(name):
+        with clock.phase(name), per_phase.phase(name):
+            yield
+
+    step = harness.step_fn(mode, phase)
+    stem = _artifact_stem(args, harness.case, mode)
+    steps = min(args.steps, 3)
+    with record_memory_history(stem.with_suffix(".memory.pickle")) as recorded:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize(args.device)
+    png = Path(args.results_dir) / (stem.name + "_memory.png")
+    plot_active_memory(recorded["snapshot"], png, phases=clock.marks,
+                       title=f"{harness.case.preset} ctx {harness.case.context} {harness.case.dtype} {mode}: "
+                             f"active memory over {steps} steps")
+    print(f"memory timeline: {png}; snapshot for pytorch.org/memory_viz: {stem.with_suffix('.memory.pickle')}")
+    for name, peaks in per_phase.peak_bytes.items():
+        for kind, value in peaks.items():
+            store.add(provider=harness.case.provider, config=config | {"mode": mode, "phase": name},
+                      metric=f"peak_{kind}", unit="GiB", value=value / 2**30)
+
+
+def _print_table(store: ResultStore, args) -> None:
+    frame = store.frame()
+    if frame.empty:
+        return
+    frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
+    if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
+        frame = frame[frame["phase"].isna()]
+    index = ["preset", "context", "dtype", "compile", "provider", "attention", "mode"]
+    table = pivot_table(frame, index=index)
+    spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]
+    if not spread.empty:
+        spread = spread.rename(columns={"mean": "time mean", "std": "time std"}).round(3)
+        table = table.merge(spread, on=index, how="left")
+    print(format_table(table, "latex" if args.latex else "markdown"))
+    print(f"\nrows appended to {store.path}")

@@ -1,0 +1,67 @@
+"""A torch.profiler run and the kernel summary a user would otherwise read in Nsight.
+
+`profile_steps` runs a step function under torch.profiler, writes a Chrome/Perfetto trace,
+and `kernel_summary` turns the events into a table: top device kernels (CPU ops on a
+CPU-only run) by total time, calls per step, share of time, and the innermost named range
+(`forward`, `backward`, `optimizer`, `attention/...`) each was launched from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def profile_steps(step: Callable[[], object], *, steps: int, device: torch.device | str,
+                  trace_path: str | Path | None = None, range_names: tuple[str, ...] = ()) -> pd.DataFrame:
+    """Profile `steps` calls of `step` (already warmed up); return the kernel summary."""
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=False, with_stack=False) as prof:
+        for _ in range(steps):
+            with torch.profiler.record_function("step"):
+                step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if trace_path is not None:
+        Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+    return kernel_summary(prof.events(), steps=steps, on_device=device.type == "cuda", range_names=range_names)
+
+
+def _enclosing_range(event, range_names: set[str], intervals: list[tuple[float, float, str]]) -> str:
+    """The innermost named range around `event`: its own call stack first, then (for ops the autograd
+    engine runs on another thread, as CUDA backward does) the shortest named range open at its start."""
+    parent = event
+    while parent is not None:
+        if parent.name in range_names and parent.name != "step":
+            return parent.name
+        parent = parent.cpu_parent
+    start = event.time_range.start
+    around = [(end - begin, name) for begin, end, name in intervals if begin <= start <= end]
+    return min(around)[1] if around else "(other)"
+
+
+def kernel_summary(events, *, steps: int, on_device: bool, range_names: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per (range, kernel): calls, calls/step, total ms, share of all kernel time."""
+    names = set(range_names) | {"step"}
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.name in names]
+    rows = []
+    for event in events:
+        if on_device:
+            for kernel in getattr(event, "kernels", []):
+                rows.append((_enclosing_range(event, names, intervals), kernel.name, kernel.duration / 1e3))
+        elif not event.cpu_children and event.name not in names:  # leaf CPU ops
+            rows.append((_enclosing_range(event, names, intervals), event.name, event.self_cpu_time_total / 1e3))
+    columns = ["range", "kernel", "calls", "calls_per_step", "total_ms", "share"]
+    if not rows:
+        return pd.DataFrame(columns=columns)
+    frame = pd.DataFrame(rows, columns=["range", "kernel", "ms"])
+    table = frame.groupby(["range", "kernel"]).agg(calls=("ms", "size"), total_ms=("ms", "sum")).reset_index()
+    table["calls_per_step"] = table["calls"] / steps
+    table["share"] = table["total_ms"] / table["total_ms"].sum()
+    return table.sort_values("total_ms", ascending=False)[columns].reset_index(drop=True)

@@ -1,0 +1,108 @@
+"""cs336-bench on CPU: option validation and a run of each path."""
+
+import subprocess
+import sys
+
+import pytest
+
+from cs336_systems.bench.cli import build_parser, main
+from cs336_systems.bench.results import load_rows
+
+FAST = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["model", "--preset", "huge"], "--preset: got 'huge'; allowed: tiny"),
+    (["model", "--dtype", "fp8"], "--dtype: got 'fp8'; allowed: fp32, bf16, fp16"),
+    (["model", "--mode", "backward"], "--mode: got 'backward'"),
+    (["model", "--context", "0"], "--context: got 0; must be >= 1"),
+    (["model", "--steps", "abc"], "--steps: 'abc' is not an integer"),
+    (["model", "--device", "tpu"], "--device"),
+    (["model", "--attention", "magic"], "invalid choice: 'magic'"),
+    (["nosuchsuite"], "invalid choice"),
+])
+def test_bad_options_are_rejected_with_the_argument_named(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_model_suite_all_modes_both_providers(tmp_path, capsys):
+    assert main(["model", "--preset", "tiny", "--context", "32", "--provider", "ours,baseline",
+                 "--results-dir", str(tmp_path), *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "train-step" in out and "baseline" in out
+    rows = load_rows(tmp_path / "model.jsonl")
+    times = [r for r in rows if r["metric"] == "time"]
+    assert len(times) == 6 and all(r["status"] == "ok" and r["n"] == 2 for r in times)
+    assert {r["config"]["attention"] for r in times} == {"reference", "sdpa"}
+    phases = {r["config"]["phase"] for r in rows if r["metric"] == "phase_time"}
+    assert phases == {"forward", "loss", "backward", "optimizer"}
+    assert all(r["median"] > 0 for r in rows if r["metric"] == "tflops")
+
+
+def test_model_suite_sweep_and_override(tmp_path):
+    main(["model", "--preset", "tiny", "--context", "16,32", "--dtype", "fp32,bf16", "--mode", "forward",
+          "--num-layers", "1", "--results-dir", str(tmp_path), *FAST])
+    rows = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert sorted((r["config"]["context"], r["config"]["dtype"]) for r in rows) == [
+        (16, "bf16"), (16, "fp32"), (32, "bf16"), (32, "fp32")]
+    assert {r["config"]["num_layers"] for r in rows} == {1}
+
+
+def test_model_suite_records_a_failing_configuration_and_goes_on(tmp_path, monkeypatch):
+    import cs336_systems.bench.model_suite as suite
+
+    real = suite._Harness.step_fn
+
+    def broken(self, mode, phase):
+        if mode == "forward":
+            def fail():
+                raise RuntimeError("CUDA out of memory. Tried to allocate 1 GiB")
+            return fail
+        return real(self, mode, phase)
+
+    monkeypatch.setattr(suite._Harness, "step_fn", broken)
+    main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward,train-step",
+          "--results-dir", str(tmp_path), *FAST])
+    rows = {r["config"]["mode"]: r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"}
+    assert rows["forward"]["status"] == "oom" and "out of memory" in rows["forward"]["message"]
+    assert rows["train-step"]["status"] == "ok"
+
+
+def test_model_suite_profile_on_cpu(tmp_path, capsys):
+    main(["model", "--preset", "tiny", "--context", "16", "--mode", "train-step", "--profile",
+          "--results-dir", str(tmp_path), *FAST])
+    assert "kernel summary" in capsys.readouterr().out
+    rows = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "profile_kernel_time"]
+    ranges = {r["config"]["range"] for r in rows}
+    assert {"forward", "backward", "optimizer"} <= ranges
+    assert 0 < sum(r["config"]["share"] for r in rows) <= 1.0 + 1e-6
+    assert list((tmp_path / "traces").glob("*.pt.trace.json"))
+
+
+def test_memory_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        main(["model", "--memory", "--results-dir", str(tmp_path), *FAST])
+
+
+def test_nvtx_flag_is_harmless_on_cpu(tmp_path):
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward", "--nvtx",
+                 "--results-dir", str(tmp_path), *FAST]) == 0
+
+
+def test_precision_suite(tmp_path, capsys):
+    assert main(["precision", "--device", "cpu", "--results-dir", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path / "precision.jsonl")
+    sums = {r["config"]["loop"]: r["median"] for r in rows if r["metric"] == "sum"}
+    assert sums["fp32 += fp32"] == pytest.approx(10.0, abs=1e-3)
+    assert abs(sums["fp16 += fp16"] - 10) > 0.01  # fp16 accumulation visibly drifts
+    dtypes = {r["config"]["tensor"]: r["message"] for r in rows if r["metric"] == "dtype"}
+    assert dtypes["parameters"] == "float32" and dtypes["logits"] == "bfloat16" and dtypes["gradients"] == "float32"
+
+
+def test_module_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "cs336_systems.bench", "model", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "--preset" in out.stdout

@@ -1,0 +1,38 @@
+"""The result store and table helpers."""
+
+import json
+
+from cs336_systems.bench.results import ResultStore, format_table, load_rows, pivot_table, rows_to_frame
+
+REQUIRED = {"suite", "provider", "config", "metric", "unit", "median", "mean", "std", "min", "max", "n", "warmup",
+            "status", "device", "device_name", "torch", "triton", "python", "git_commit", "timestamp", "run_id"}
+
+
+def test_rows_are_appended_as_json_lines(tmp_path):
+    store = ResultStore("demo", "cpu", tmp_path)
+    store.add(provider="ours", config={"size": 1}, metric="time", unit="ms",
+              stats=dict(median=2.0, mean=2.1, std=0.1, min=1.9, max=2.3, n=5, warmup=2))
+    store.add(provider="ours", config={"size": 2}, metric="time", unit="ms", status="oom", message="CUDA OOM")
+    again = ResultStore("demo", "cpu", tmp_path)  # a second run appends, never overwrites
+    again.add(provider="baseline", config={"size": 1}, metric="time", unit="ms", value=3.0)
+    rows = load_rows(tmp_path / "demo.jsonl")
+    assert len(rows) == 3
+    assert all(REQUIRED <= set(r) for r in rows)
+    assert rows[1]["status"] == "oom" and rows[1]["median"] is None
+    assert rows[2]["n"] == 1 and rows[2]["median"] == 3.0
+    assert rows[0]["run_id"] != rows[2]["run_id"]
+    json.dumps(rows)  # plain JSON throughout
+
+
+def test_frame_and_pivot_show_failed_cells(tmp_path):
+    store = ResultStore("demo", "cpu", tmp_path)
+    store.add(provider="ours", config={"size": 1}, metric="time", unit="ms", value=2.0)
+    store.add(provider="ours", config={"size": 1}, metric="mfu", unit="%", value=40.0)
+    store.add(provider="ours", config={"size": 2}, metric="time", unit="ms", status="oom")
+    frame = rows_to_frame(store.rows)
+    assert "size" in frame.columns
+    table = pivot_table(frame, index=["size", "provider"])
+    assert list(table["time"]) == ["2", "oom"]
+    md = format_table(table)
+    assert md.splitlines()[0].replace(" ", "").startswith("|size|provider|") and "oom" in md
+    assert "\\begin{tabular}" in format_table(table, "latex")

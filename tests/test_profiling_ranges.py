@@ -1,0 +1,64 @@
+"""Phase ranges, the annotated attention swap, and the memory-timeline replay (CPU-testable parts)."""
+
+import time
+
+import torch
+
+import cs336_basics.model as basics_model
+from cs336_systems.profiling.memory_timeline import active_memory_series, plot_active_memory
+from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
+
+
+def test_phase_ranges_time_each_phase_on_cpu():
+    ranges = PhaseRanges("cpu", time=True)
+    for _ in range(3):
+        with ranges.phase("a"):
+            time.sleep(0.005)
+        with ranges.phase("b"):
+            pass
+    times = ranges.collect()
+    assert len(times["a"]) == 3 and min(times["a"]) >= 0.004
+    assert max(times["b"]) < 0.004
+    ranges.reset()
+    assert ranges.collect() == {}
+
+
+def test_inactive_ranges_record_nothing():
+    ranges = PhaseRanges("cpu")
+    assert not ranges.active
+    with ranges.phase("x"):
+        pass
+    assert ranges.collect() == {}
+
+
+def test_annotated_attention_is_same_maths_and_restores_original():
+    original = basics_model.scaled_dot_product_attention
+    q, k, v = torch.randn(2, 5, 8), torch.randn(2, 6, 8), torch.randn(2, 6, 4)
+    mask = torch.rand(5, 6) > 0.2
+    mask[:, 0] = True
+    with annotated_attention(PhaseRanges("cpu", record=True)):
+        assert basics_model.scaled_dot_product_attention is not original
+        out = basics_model.scaled_dot_product_attention(q, k, v, mask)
+    assert basics_model.scaled_dot_product_attention is original
+    torch.testing.assert_close(out, original(q, k, v, mask))
+
+
+def _snapshot():
+    # 100 bytes alive before recording, then +50, +30, -50 (free_completed) at t = 0, 1000, 2000 us.
+    events = [dict(action="alloc", size=50, time_us=0), dict(action="free_requested", size=50, time_us=500),
+              dict(action="alloc", size=30, time_us=1000), dict(action="free_completed", size=50, time_us=2000)]
+    segments = [dict(device=0, blocks=[dict(size=100, state="active_allocated"), dict(size=30,
+                                                                                      state="active_allocated"),
+                                       dict(size=64, state="inactive")])]
+    return dict(device_traces=[events], segments=segments)
+
+
+def test_active_memory_series_replays_the_trace():
+    times, levels = active_memory_series(_snapshot())
+    assert times == [0.0, 1000.0, 2000.0]
+    assert levels == [150, 180, 130]
+
+
+def test_plot_active_memory_writes_png(tmp_path):
+    png = plot_active_memory(_snapshot(), tmp_path / "m.png", title="t", phases=[("forward", 0.0, 1500.0)])
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,57 @@
+"""The timing helper and kernel timing on CPU."""
+
+import time
+
+import pytest
+
+from cs336_systems.profiling.timing import Timing, bench_kernel, time_fn
+
+
+def test_time_fn_counts_calls_and_measures_sleep():
+    calls = []
+    timing = time_fn(lambda: (calls.append(1), time.sleep(0.01)), warmup=3, steps=5, device="cpu")
+    assert len(calls) == 8
+    assert timing.n == 5 and timing.warmup == 3
+    assert 0.009 < timing.median < 0.05
+    assert timing.first_call_s is not None and timing.first_call_s >= 0.009
+    stats = timing.stats()
+    assert stats["min"] <= stats["median"] <= stats["max"]
+    assert stats["median"] == pytest.approx(timing.median * 1e3)
+
+
+def test_first_call_is_kept_out_of_samples():
+    state = {"first": True}
+
+    def slow_then_fast():
+        if state["first"]:
+            state["first"] = False
+            time.sleep(0.05)
+
+    timing = time_fn(slow_then_fast, warmup=1, steps=3, device="cpu")
+    assert timing.first_call_s >= 0.05 and max(timing.samples_s) < 0.01
+
+
+def test_after_warmup_runs_between_warmup_and_timed_calls():
+    log = []
+    time_fn(lambda: log.append("call"), warmup=2, steps=2, device="cpu", after_warmup=lambda: log.append("reset"))
+    assert log == ["call", "call", "reset", "call", "call"]
+
+
+def test_zero_warmup_has_no_first_call():
+    assert time_fn(lambda: None, warmup=0, steps=2, device="cpu").first_call_s is None
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(warmup=-1), "warmup"), (dict(steps=0), "steps")])
+def test_time_fn_rejects_bad_counts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        time_fn(lambda: None, device="cpu", **kwargs)
+
+
+def test_timing_stats_spread():
+    t = Timing(samples_s=[0.001, 0.002, 0.003], warmup=1)
+    assert t.median == 0.002 and t.mean == pytest.approx(0.002)
+    assert t.stats()["std"] == pytest.approx(1.0)
+
+
+def test_bench_kernel_on_cpu_returns_samples():
+    assert bench_kernel(lambda: sum(range(100)), device="cpu").n >= 1

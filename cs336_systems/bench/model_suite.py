@@ -235,7 +235,8 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
     flops = flops_for_mode(harness.cfg, harness.case.batch, harness.case.context, mode)
     store.add(provider=provider, config=row_config, metric="tflops", unit="TFLOP/s", value=flops / timing.median / 1e12)
     if peak:
-        store.add(provider=provider, config=row_config, metric="mfu", unit="%", value=100 * flops / timing.median / peak)
+        store.add(provider=provider, config=row_config, metric="mfu", unit="%",
+                  value=100 * flops / timing.median / peak)
     for phase, samples in ranges.collect().items():
         store.add(provider=provider, config=row_config | {"phase": phase}, metric="phase_time", unit="ms",
                   value=sum(samples) / args.steps * 1e3)
@@ -245,7 +246,8 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
 
 
 def _artifact_stem(args, case: ModelCase, mode: str) -> Path:
-    name = f"{case.preset}_ctx{case.context}_{case.dtype}_{case.provider}_{mode}" + ("_compiled" if case.compile else "")
+    name = f"{case.preset}_ctx{case.context}_{case.dtype}_{case.provider}_{mode}"
+    name += "_compiled" if case.compile else ""
     return Path(args.results_dir) / "traces" / name
 
 

@@ -129,10 +129,15 @@ class CausalMultiHeadSelfAttention(nn.Module):
             positions = token_positions.unsqueeze(-2)  # (..., 1, seq): the same positions for every head
             Q = self.positional_encoder(Q, positions)
             K = self.positional_encoder(K, positions)
-        idx = torch.arange(seq, device=x.device)
-        causal_mask = idx[:, None] >= idx[None, :]  # (seq, seq), True = query may see key
         # Looked up as a module global at call time so a patched version takes effect.
-        out = scaled_dot_product_attention(Q, K, V, mask=causal_mask)
+        attend = scaled_dot_product_attention
+        if getattr(attend, "causal_without_mask", False):
+            # A kernel that applies the causal mask itself: no (seq, seq) mask tensor is built.
+            out = attend(Q, K, V, is_causal=True)
+        else:
+            idx = torch.arange(seq, device=x.device)
+            causal_mask = idx[:, None] >= idx[None, :]  # (seq, seq), True = query may see key
+            out = attend(Q, K, V, mask=causal_mask)
         out = rearrange(out, "... heads seq d_v -> ... seq (heads d_v)").contiguous()
         return self.output_proj(out)
 

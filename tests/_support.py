@@ -14,3 +14,35 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if torch.isnan(out64).any():
         return float("inf")
     return (torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64).clamp_min(1e-30)).item()
+
+
+def kernel_device() -> str:
+    """Where Triton kernels run in this test session: cuda, or cpu under the interpreter; skip otherwise."""
+    import os
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pytest.skip("triton is not installed")
+        return "cpu"
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+
+
+def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("inf")
+    return (out.double() - ref.double()).abs().max().item()
+
+
+def assert_within_budget(name: str, out: torch.Tensor, ref: torch.Tensor, torch_low_precision: torch.Tensor,
+                         factor: float = 2.0) -> None:
+    """Our error against the high-precision reference may be at most `factor` x PyTorch's own error at the same
+    low precision (Tri Dao's test idiom), plus a floor of 1e-6 x max(1, reference scale) for cases PyTorch gets
+    exactly (e.g. a gradient that is exactly zero)."""
+    ours = max_abs_error(out, ref)
+    floor = 1e-6 * max(1.0, ref.double().abs().max().item())
+    budget = factor * max_abs_error(torch_low_precision, ref) + floor
+    assert ours <= budget, f"{name}: max error {ours:.3e} > budget {budget:.3e}"

@@ -5,3 +5,15 @@ One line each, absolute imports only; the logic lives in the package. INTERFACE.
 """
 
 from __future__ import annotations
+
+from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
+
+
+def get_flashattention_autograd_function_pytorch() -> type:
+    return FlashAttentionPytorch
+
+
+def get_flashattention_autograd_function_triton() -> type:
+    from cs336_systems.kernels.flash_attention.function import FlashAttentionTriton  # imports Triton
+
+    return FlashAttentionTriton

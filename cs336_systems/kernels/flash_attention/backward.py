@@ -1,0 +1,283 @@
+"""FlashAttention-2 backward: two Triton passes without atomics, and a torch.compile'd variant.
+
+With P = exp(S - L) recomputed from the saved row log-sum-exp L and D = rowsum(O * dO):
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
+
+* `preprocess`: D, one program per (query tile, batch x head).
+* dK/dV pass: one program per key tile walks the query tiles that see it (causal: from the
+  diagonal down), accumulating dK and dV in fp32 registers; it works on transposed tiles
+  (S^T = K Q^T) so every product is a plain tl.dot.
+* dQ pass: one program per query tile walks the key tiles it sees, accumulating dQ.
+Each pass owns its output tile, so nothing is accumulated across programs (no atomics,
+deterministic). Loops are split as in the forward: an unmasked loop that never compares
+indices, and a masked loop for the diagonal and the ragged edge.
+
+`compiled_backward` is the first version the handout asks for: the same maths on whole
+(n_queries x n_keys) tiles in PyTorch, under torch.compile. It materialises P per call, so it
+is a correctness and speed baseline, not a memory-saving path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from cs336_systems.kernels._triton_utils import interpreting
+from cs336_systems.kernels.flash_attention.forward import LOG2E
+from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
+
+
+@triton.jit
+def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh,
+                            stride_don, stride_dod, n_heads, n_queries, head_dim,
+                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    batch_head = tl.program_id(1)
+    b, h = batch_head // n_heads, batch_head % n_heads
+    m0 = tl.program_id(0) * BLOCK_M
+    o_block = tl.make_block_ptr(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
+                                shape=(n_queries, head_dim), strides=(stride_on, stride_od), offsets=(m0, 0),
+                                block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(m0, 0),
+                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    tl.store(Delta + batch_head.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, axis=1), mask=offs_m < n_queries)
+
+
+@triton.jit
+def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
+                      qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV."""
+    qT_block = tl.advance(qT_block, (0, start_m))
+    do_block = tl.advance(do_block, (start_m, 0))
+    for tile_start in range(start_m, end_m, BLOCK_M):
+        offs_m = tile_start + tl.arange(0, BLOCK_M)
+        if MASKED or not EVEN_D:
+            qT = tl.load(qT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_M)
+            do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
+        else:
+            qT = tl.load(qT_block)
+            do = tl.load(do_block)
+        if MASKED:
+            # Rows past n_queries get L = +inf, so their P is exactly 0.
+            lse = tl.load(lse_row + offs_m, mask=offs_m < n_queries, other=float("inf"))
+            delta = tl.load(delta_row + offs_m, mask=offs_m < n_queries, other=0.0)
+        else:
+            lse = tl.load(lse_row + offs_m)
+            delta = tl.load(delta_row + offs_m)
+        sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
+        if MASKED and IS_CAUSAL:
+            pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
+        qT_block = tl.advance(qT_block, (0, BLOCK_M))
+        do_block = tl.advance(do_block, (BLOCK_M, 0))
+    return dk, dv
+
+
+@triton.jit
+def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ."""
+    kT_block = tl.advance(kT_block, (0, start_n))
+    vT_block = tl.advance(vT_block, (0, start_n))
+    for tile_start in range(start_n, end_n, BLOCK_N):
+        if MASKED or not EVEN_D:
+            kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
+            vT = tl.load(vT_block, boundary_check=(0, 1), padding_option="zero")
+        else:
+            kT = tl.load(kT_block)
+            vT = tl.load(vT_block)
+        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
+        if MASKED:
+            offs_n = tile_start + tl.arange(0, BLOCK_N)
+            keep = offs_n[None, :] < n_keys
+            if IS_CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+        kT_block = tl.advance(kT_block, (0, BLOCK_N))
+        vT_block = tl.advance(vT_block, (0, BLOCK_N))
+    return dq
+
+
+def _dkdv_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3), (16, 64, 4, 2))]
+
+
+def _dq_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (64, 16, 4, 2))]
+
+
+def _prune_backward(divisible_by: str, divides: str):
+    """Keep configs whose tile sizes nest (needed by the causal loop split) and that fit on chip."""
+
+    def prune(configs, named_args, **kwargs):
+        head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
+        kept = [c for c in configs if c.kwargs[divisible_by] % c.kwargs[divides] == 0
+                and (not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 32 * 64)]
+        return kept or configs[-1:]
+
+    return prune
+
+
+_BACKWARD_KEY = ["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL"]
+
+
+@triton.autotune(configs=_dkdv_configs(), key=_BACKWARD_KEY,
+                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M")},
+                 reset_to_zero=[])
+@triton.jit
+def flash_dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV,
+                      stride_qb, stride_qh, stride_qn, stride_qd,
+                      stride_kb, stride_kh, stride_kn, stride_kd,
+                      stride_vb, stride_vh, stride_vn, stride_vd,
+                      stride_dob, stride_doh, stride_don, stride_dod,
+                      n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
+                      IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    batch_head = tl.program_id(1)
+    b, h = batch_head // n_heads, batch_head % n_heads
+    n0 = tl.program_id(0) * BLOCK_N
+    k_block = tl.make_block_ptr(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                                shape=(n_keys, head_dim), strides=(stride_kn, stride_kd), offsets=(n0, 0),
+                                block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    v_block = tl.make_block_ptr(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                                shape=(n_keys, head_dim), strides=(stride_vn, stride_vd), offsets=(n0, 0),
+                                block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    qT_block = tl.make_block_ptr(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                                 shape=(head_dim, n_queries), strides=(stride_qd, stride_qn), offsets=(0, 0),
+                                 block_shape=(BLOCK_D, BLOCK_M), order=(0, 1))
+    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(0, 0),
+                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    lse_row = L + batch_head.to(tl.int64) * n_queries
+    delta_row = Delta + batch_head.to(tl.int64) * n_queries
+    k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
+    v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+
+    full_query_tiles_end = (n_queries // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        # Queries [n0, n0 + BLOCK_N) straddle the diagonal: masked. Later ones see the whole key tile.
+        diagonal_end = tl.minimum(n0 + BLOCK_N, n_queries)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, n0, diagonal_end,
+                                   n_queries, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_M, PRECISION)
+        unmasked_start = n0 + BLOCK_N
+    else:
+        unmasked_start = 0
+    unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
+                               full_query_tiles_end, n_queries, qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_M, PRECISION)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
+                               n_queries, n_queries, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_M, PRECISION)
+
+    # dK and dV share Q's layout arguments only through their own (contiguous) strides.
+    dk_block = tl.make_block_ptr(dK + batch_head.to(tl.int64) * n_keys * head_dim, shape=(n_keys, head_dim),
+                                 strides=(head_dim, 1), offsets=(n0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    dv_block = tl.make_block_ptr(dV + batch_head.to(tl.int64) * n_keys * head_dim, shape=(n_keys, head_dim),
+                                 strides=(head_dim, 1), offsets=(n0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
+    tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.autotune(configs=_dq_configs(), key=_BACKWARD_KEY,
+                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N")})
+@triton.jit
+def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
+                    stride_qb, stride_qh, stride_qn, stride_qd,
+                    stride_kb, stride_kh, stride_kn, stride_kd,
+                    stride_vb, stride_vh, stride_vn, stride_vd,
+                    stride_dob, stride_doh, stride_don, stride_dod,
+                    n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
+                    IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
+    query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b, h = batch_head // n_heads, batch_head % n_heads
+    m0 = query_tile * BLOCK_M
+    q_block = tl.make_block_ptr(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
+                                shape=(n_queries, head_dim), strides=(stride_qn, stride_qd), offsets=(m0, 0),
+                                block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(m0, 0),
+                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    kT_block = tl.make_block_ptr(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                                 shape=(head_dim, n_keys), strides=(stride_kd, stride_kn), offsets=(0, 0),
+                                 block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+    vT_block = tl.make_block_ptr(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                                 shape=(head_dim, n_keys), strides=(stride_vd, stride_vn), offsets=(0, 0),
+                                 block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
+    do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")
+    lse = tl.load(L + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=float("inf"))
+    delta = tl.load(Delta + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    full_key_tiles_end = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        unmasked_end = tl.minimum(m0, full_key_tiles_end)
+        masked_end = tl.minimum(m0 + BLOCK_M, n_keys)
+    else:
+        unmasked_end = full_key_tiles_end
+        masked_end = n_keys
+    dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
+                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+    dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
+                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+    dq_block = tl.make_block_ptr(dQ + batch_head.to(tl.int64) * n_queries * head_dim, shape=(n_queries, head_dim),
+                                 strides=(head_dim, 1), offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+def _compiled_backward_math(q, k, v, out, lse, grad_out, is_causal: bool):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), grad_out.float()
+    s = qf @ kf.transpose(-1, -2) * scale
+    if is_causal:
+        s = s + torch.where(causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0, MASK_VALUE)
+    p = torch.exp(s - lse[..., None])
+    delta = (out.float() * dof).sum(-1, keepdim=True)
+    dv = p.transpose(-1, -2) @ dof
+    ds = p * (dof @ vf.transpose(-1, -2) - delta)
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_compiled = None
+
+
+def compiled_backward(q, k, v, out, lse, grad_out, is_causal: bool):
+    """The backward maths in PyTorch under torch.compile (compiled once per shape, causal flag and dtype)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_compiled_backward_math, dynamic=False)
+    return _compiled(q, k, v, out, lse, grad_out, is_causal)
+
+
+__all__ = ["LOG2E", "compiled_backward", "flash_dkdv_kernel", "flash_dq_kernel", "flash_preprocess_kernel"]

@@ -1,0 +1,133 @@
+"""FlashAttention-2 forward in Triton.
+
+Grid: (query tiles, batch x heads). Each program holds one BLOCK_M x head_dim tile of Q
+and walks the key tiles once, keeping the online-softmax state (row max m, row sum l,
+output accumulator) in fp32 registers. P is cast to V's dtype for the PV product, as in
+FA2. Scores are kept in log2 units (scale * log2(e) folded into one multiply) so the
+exponentials are exp2. L = m + log(l) (natural log) is stored for the backward pass.
+
+Key tiles come in two loops (Triton tutorial 06's structure):
+* an unmasked loop over tiles that every query of the tile sees in full (causal: keys left
+  of the diagonal tile; both: tiles inside n_keys), which never compares indices;
+* a masked loop over the diagonal tile(s) and the ragged last tile, which applies the causal
+  mask (-1e6 added, as the assignment specifies) and the n_keys bound.
+Fully masked tiles (right of the diagonal) are never visited: the causal early exit.
+Causal query tiles are scheduled heaviest first so the tail of the grid is short.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from cs336_systems.kernels._triton_utils import interpreting
+
+LOG2E = 1.4426950408889634
+MASK_VALUE_LOG2 = -1e6 * LOG2E  # the assignment's -1e6, in log2 units
+
+
+@triton.jit
+def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_n, n_keys, qk_scale,
+                      MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile."""
+    kT_block = tl.advance(kT_block, (0, start_n))
+    v_block = tl.advance(v_block, (start_n, 0))
+    for tile_start in range(start_n, end_n, BLOCK_N):
+        if MASKED or not EVEN_D:
+            kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
+            v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_N, BLOCK_D)
+        else:
+            kT = tl.load(kT_block)
+            v = tl.load(v_block)
+        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if MASKED:
+            offs_n = tile_start + tl.arange(0, BLOCK_N)
+            if IS_CAUSAL:
+                s += tl.where(offs_n[None, :] <= offs_m[:, None], 0.0, MASK_VALUE_LOG2)
+            s = tl.where(offs_n[None, :] < n_keys, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+        kT_block = tl.advance(kT_block, (0, BLOCK_N))
+        v_block = tl.advance(v_block, (BLOCK_N, 0))
+    return acc, m_i, l_i
+
+
+def _forward_configs():
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    # The space is small on purpose: a cold cache compiles it in seconds per (head dim, dtype, causal).
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                                 (128, 32, 4, 4), (64, 32, 4, 2))]
+
+
+def _prune_forward_configs(configs, named_args, **kwargs):
+    """Keep configs that fit: fp32 tiles and wide heads need smaller blocks (shared memory)."""
+    head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
+    n_queries = named_args["n_queries"]
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0
+            and (not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64)
+            and (c.kwargs["BLOCK_M"] <= 64 or n_queries > 64)]
+    return kept or configs[-1:]
+
+
+@triton.autotune(configs=_forward_configs(), key=["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL"],
+                 prune_configs_by={"early_config_prune": _prune_forward_configs})
+@triton.jit
+def flash_forward_kernel(Q, K, V, O, L,
+                         stride_qb, stride_qh, stride_qn, stride_qd,
+                         stride_kb, stride_kh, stride_kn, stride_kd,
+                         stride_vb, stride_vh, stride_vn, stride_vd,
+                         stride_ob, stride_oh, stride_on, stride_od,
+                         n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
+                         IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
+    # Causal: the last query tiles see the most keys; start them first.
+    query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b, h = batch_head // n_heads, batch_head % n_heads
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    m0 = query_tile * BLOCK_M
+
+    q_block = tl.make_block_ptr(q_base, shape=(n_queries, head_dim), strides=(stride_qn, stride_qd),
+                                offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
+                                 offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+    v_block = tl.make_block_ptr(v_base, shape=(n_keys, head_dim), strides=(stride_vn, stride_vd),
+                                offsets=(0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    full_key_tiles_end = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        unmasked_end = tl.minimum(m0, full_key_tiles_end)
+        masked_end = tl.minimum(m0 + BLOCK_M, n_keys)
+    else:
+        unmasked_end = full_key_tiles_end
+        masked_end = n_keys
+    acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, 0, unmasked_end, n_keys,
+                                      qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+    acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,
+                                      n_keys, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+
+    out = acc / l_i[:, None]
+    o_block = tl.make_block_ptr(o_base, shape=(n_queries, head_dim), strides=(stride_on, stride_od),
+                                offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
+    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
+    tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

@@ -1,0 +1,164 @@
+"""Host launchers and the autograd Functions of our Triton FlashAttention-2.
+
+Inputs are 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), any strides (the model's
+head-split views are read in place), fp16 / bf16 / fp32, head dim 1..256 (padded in
+registers to the next power of two, at least 16; fp32 up to 128), any sequence lengths,
+n_queries != n_keys allowed. fp32 dots follow `torch.backends.cuda.matmul.allow_tf32`
+(IEEE fp32 by default, as torch's own matmuls).
+
+L (the row log-sum-exp) is computed and kept in fp32 whatever the input dtype: rounding
+it to bf16 would put errors of several percent into the recomputed P.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels.flash_attention.backward import (
+    compiled_backward,
+    flash_dkdv_kernel,
+    flash_dq_kernel,
+    flash_preprocess_kernel,
+)
+from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
+BACKWARD_IMPLS = ("triton", "compile")
+
+
+def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a clear error, before any allocation, for inputs the kernel does not take."""
+    if q.dim() not in (3, 4):
+        raise ValueError(f"flash attention: q must be 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), "
+                         f"got shape {tuple(q.shape)}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"flash attention: q, k, v must have the same number of dims, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"flash attention: batch/head dims must match and k, v must have the same length, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"flash attention: q, k, v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, "
+                         f"{v.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash attention: dtype {q.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if q.shape[-1] > MAX_HEAD_DIM[q.dtype]:
+        raise ValueError(f"flash attention: head dim {q.shape[-1]} is too large for {q.dtype}; "
+                         f"at most {MAX_HEAD_DIM[q.dtype]}")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError("flash attention: sequences must be non-empty")
+    check_kernel_device("flash attention", q, k, v)
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 4 else x.unsqueeze(1)  # (batch, 1, seq, d): a view, heads stride unused
+
+
+def _launch_shape(q: torch.Tensor, k: torch.Tensor):
+    head_dim = q.shape[-1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "tf32" if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    buckets = (triton.next_power_of_2(q.shape[-2]), triton.next_power_of_2(k.shape[-2]))
+    return block_d, block_d == head_dim, precision, buckets
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """Returns O (like q) and L (fp32, q.shape[:-1])."""
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    o4 = _as_4d(out)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
+    qk_scale = LOG2E / math.sqrt(head_dim)
+
+    def grid(meta):
+        return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads)
+
+    flash_forward_kernel[grid](
+        q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+        heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket,
+        IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    return out, lse
+
+
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool):
+    """Two-pass Triton backward. Returns (dq, dk, dv) in the inputs' dtypes and shapes."""
+    q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
+    delta = torch.empty_like(lse)
+    preprocess_rows = 64
+    flash_preprocess_kernel[(triton.cdiv(n_queries, preprocess_rows), batch * heads)](
+        o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
+        BLOCK_M=preprocess_rows, BLOCK_D=block_d)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous: the kernels store densely
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    common = (q4, k4, v4, do4, lse, delta)
+    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
+    sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
+    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    flash_dkdv_kernel[lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)](
+        *common, dk, dv, *strides, *sizes, **flags)
+    flash_dq_kernel[lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads)](
+        *common, dq, *strides, *sizes, **flags)
+    return dq, dk, dv
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2: Triton forward, two-pass Triton backward.
+
+    `apply(q, k, v, is_causal=False)`; saves (L, Q, K, V, O) with L of shape q.shape[:-1].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        validate_attention_inputs(q, k, v)
+        out, lse = flash_forward(q, k, v, bool(is_causal))
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = bool(is_causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
+    """Triton forward; backward as a torch.compile'd PyTorch function (the handout's first step)."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
+    """Our Triton FlashAttention-2. backward: "triton" (two passes) or "compile" (torch.compile'd PyTorch)."""
+    if backward == "triton":
+        return FlashAttentionTriton.apply(q, k, v, is_causal)
+    if backward == "compile":
+        return FlashAttentionTritonCompiledBackward.apply(q, k, v, is_causal)
+    raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
+
+
+def chosen_configs() -> dict[str, dict]:
+    """The autotuner's choices so far: kernel -> {tuning key: 'BLOCK_M=.., BLOCK_N=.., warps, stages'}."""
+    chosen = {}
+    for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel)):
+        chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
+    return chosen

@@ -1,0 +1,136 @@
+"""Attention references: naive (materialised scores) and a tiled pure-PyTorch FlashAttention-2.
+
+Shapes: q (..., n_queries, d), k and v (..., n_keys, d), any leading dims (batch, or batch
+and heads). L is the row log-sum-exp of the scaled (and masked) scores, (..., n_queries).
+Causal masking follows the suites: key index > query index is masked by adding -1e6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MASK_VALUE = -1e6  # added to masked scores (not -inf), as the assignment specifies
+
+
+def causal_mask(n_queries: int, n_keys: int, device, query_start: int = 0, key_start: int = 0) -> torch.Tensor:
+    """(n_queries, n_keys) bool, True where the key is visible (key index <= query index);
+    the starts place a tile inside the full matrix."""
+    keys = torch.arange(key_start, key_start + n_keys, device=device)
+    queries = torch.arange(query_start, query_start + n_queries, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
+                    upcast: bool = True, return_lse: bool = False):
+    """softmax(q k^T / sqrt(d)) v with every score materialised.
+
+    upcast: compute in fp32 (softmax in fp32 either way) and return the input dtype; without
+    it, the matmuls run in the input dtype, as a plain low-precision PyTorch program would.
+    """
+    in_dtype, acc_dtype = q.dtype, _accumulator_dtype(q)
+    if upcast:
+        q, k, v = q.to(acc_dtype), k.to(acc_dtype), v.to(acc_dtype)
+    scores = (q @ k.transpose(-1, -2)).to(acc_dtype) / math.sqrt(q.shape[-1])  # (..., n_queries, n_keys)
+    if is_causal:
+        scores = scores + torch.where(causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0, MASK_VALUE)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = (probs.to(v.dtype) @ v).to(in_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _accumulator_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 accumulators for fp32 and lower precisions; fp64 stays fp64 (for tight references)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _tiles(n: int, tile: int):
+    for start in range(0, n, tile):
+        yield start, min(start + tile, n)
+
+
+def flash_forward_tiled(q, k, v, is_causal: bool, q_tile: int, k_tile: int):
+    """Online-softmax forward over (q_tile x k_tile) tiles; fp32 accumulators. Returns (O, L)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n_queries, n_keys = q.shape[-2], k.shape[-2]
+    acc_dtype = _accumulator_dtype(q)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], device=q.device, dtype=acc_dtype)
+    for q0, q1 in _tiles(n_queries, q_tile):
+        q_blk = q[..., q0:q1, :].to(acc_dtype)  # (..., bq, d)
+        acc = torch.zeros_like(q_blk)
+        row_max = torch.full(q_blk.shape[:-1], -math.inf, device=q.device, dtype=acc_dtype)
+        row_sum = torch.zeros(q_blk.shape[:-1], device=q.device, dtype=acc_dtype)
+        for k0, k1 in _tiles(n_keys, k_tile):
+            if is_causal and k0 > q1 - 1:
+                break  # every later key tile is fully masked for this query tile
+            s = q_blk @ k[..., k0:k1, :].to(acc_dtype).transpose(-1, -2) * scale  # (..., bq, bk)
+            if is_causal:
+                s = s + torch.where(causal_mask(q1 - q0, k1 - k0, q.device, q0, k0), 0.0, MASK_VALUE)
+            new_max = torch.maximum(row_max, s.amax(-1))
+            p = torch.exp(s - new_max[..., None])
+            correction = torch.exp(row_max - new_max)
+            row_sum = row_sum * correction + p.sum(-1)
+            # P is rounded to V's dtype before the PV product, as the kernel does.
+            acc = acc * correction[..., None] + p.to(v.dtype).to(acc_dtype) @ v[..., k0:k1, :].to(acc_dtype)
+            row_max = new_max
+        out[..., q0:q1, :] = (acc / row_sum[..., None]).to(q.dtype)
+        lse[..., q0:q1] = row_max + torch.log(row_sum)
+    return out, lse
+
+
+def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: int, k_tile: int):
+    """Backward by recomputation, tile by tile, with D = rowsum(O * dO). Returns (dq, dk, dv)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n_queries, n_keys = q.shape[-2], k.shape[-2]
+    acc_dtype = _accumulator_dtype(q)
+    delta = (out.to(acc_dtype) * grad_out.to(acc_dtype)).sum(-1)  # (..., n_queries)
+    dq = torch.zeros_like(q, dtype=acc_dtype)
+    dk = torch.zeros_like(k, dtype=acc_dtype)
+    dv = torch.zeros_like(v, dtype=acc_dtype)
+    lse = lse.to(acc_dtype)
+    for k0, k1 in _tiles(n_keys, k_tile):
+        k_blk, v_blk = k[..., k0:k1, :].to(acc_dtype), v[..., k0:k1, :].to(acc_dtype)
+        for q0, q1 in _tiles(n_queries, q_tile):
+            if is_causal and q1 - 1 < k0:
+                continue  # no query in this tile sees these keys
+            q_blk, do_blk = q[..., q0:q1, :].to(acc_dtype), grad_out[..., q0:q1, :].to(acc_dtype)
+            s = q_blk @ k_blk.transpose(-1, -2) * scale
+            if is_causal:
+                s = s + torch.where(causal_mask(q1 - q0, k1 - k0, q.device, q0, k0), 0.0, MASK_VALUE)
+            p = torch.exp(s - lse[..., q0:q1, None])  # (..., bq, bk)
+            dv[..., k0:k1, :] += p.transpose(-1, -2) @ do_blk
+            dp = do_blk @ v_blk.transpose(-1, -2)
+            ds = p * (dp - delta[..., q0:q1, None]) * scale
+            dq[..., q0:q1, :] += ds @ k_blk
+            dk[..., k0:k1, :] += ds.transpose(-1, -2) @ q_blk
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class FlashAttentionPytorch(torch.autograd.Function):
+    """FlashAttention-2 in plain PyTorch: tiled online-softmax forward saving (Q, K, V, O, L),
+    backward by recomputation. Runs anywhere PyTorch does (the suites call it on CPU).
+
+    Memory is O(tile^2) per leading element beyond inputs and outputs; speed is that of a
+    Python loop over tiles, so this is a reference, not a kernel.
+    """
+
+    Q_TILE = 16
+    K_TILE = 16
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        out, lse = flash_forward_tiled(q, k, v, bool(is_causal), FlashAttentionPytorch.Q_TILE,
+                                       FlashAttentionPytorch.K_TILE)
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = bool(is_causal)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward_tiled(q, k, v, out, lse, grad_out, ctx.is_causal, FlashAttentionPytorch.Q_TILE,
+                                          FlashAttentionPytorch.K_TILE)
+        return dq, dk, dv, None

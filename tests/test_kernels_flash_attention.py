@@ -1,0 +1,203 @@
+"""FlashAttention-2: the PyTorch tiled reference and the Triton kernel.
+
+Errors are measured against an fp64 reference; a low-precision result may be off by at
+most 2x PyTorch's own naive attention at the same precision (bf16/fp16 matmuls), so no
+tolerance is hand-tuned. On CPU the Triton kernel runs under TRITON_INTERPRET=1 at small
+shapes in fp32; on a GPU the full matrix runs (dtypes, head dims, lengths, layouts).
+"""
+
+import math
+
+import pytest
+import torch
+
+from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch, naive_attention
+from tests._support import assert_within_budget, kernel_device, requires_cuda
+
+# (batch, heads or None for 3-D, n_queries, n_keys, head_dim): odd lengths, batch 1, a single
+# query tile, n_queries != n_keys both ways, non-power-of-two head dims.
+SMALL_SHAPES = [(4, None, 128, 128, 64), (1, None, 37, 53, 16), (2, 3, 70, 20, 32), (1, 2, 5, 90, 24),
+                (2, None, 1, 17, 16), (1, 1, 64, 64, 80)]
+
+
+def _inputs(batch, heads, nq, nk, d, dtype, device, seed=0):
+    torch.manual_seed(seed)
+    lead = (batch,) if heads is None else (batch, heads)
+    return [torch.randn(*lead, n, d, device=device, dtype=dtype, requires_grad=True) for n in (nq, nk, nk)]
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def _check_against_reference(fn, shape, causal, dtype, device):
+    q, k, v = _inputs(*shape, dtype, device)
+    out = fn(q, k, v, causal)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_in, causal)
+    low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low_out = naive_attention(*low, causal, upcast=False)  # PyTorch's own error at this precision
+    grad_out = torch.randn_like(out)
+    assert_within_budget("out", out, ref, low_out)
+    for name, ours, exact, torch_low in zip(("dq", "dk", "dv"), _grads(out, (q, k, v), grad_out),
+                                            _grads(ref, ref_in, grad_out.double()),
+                                            _grads(low_out, low, grad_out)):
+        assert ours.dtype == dtype and ours.shape == exact.shape
+        assert_within_budget(name, ours, exact, torch_low)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SMALL_SHAPES)
+def test_pytorch_flash_matches_reference_on_cpu(shape, causal):
+    _check_against_reference(FlashAttentionPytorch.apply, shape, causal, torch.float32, "cpu")
+
+
+def test_pytorch_flash_saves_l_and_is_exact_in_fp64():
+    q, k, v = _inputs(2, None, 50, 50, 16, torch.float64, "cpu")
+    out = FlashAttentionPytorch.apply(q, k, v, True)
+    ref, lse = naive_attention(q, k, v, True, return_lse=True)
+    saved = [t for t in out.grad_fn.saved_tensors if t.shape == (2, 50)]
+    assert len(saved) == 1 and out.grad_fn.is_causal is True
+    torch.testing.assert_close(saved[0], lse, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_naive_attention_masks_with_minus_1e6():
+    q, k, v = (torch.randn(1, 4, 8, dtype=torch.float64) for _ in range(3))
+    _, lse = naive_attention(q, k, v, True, return_lse=True)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    scores = scores + torch.triu(torch.full((4, 4), -1e6, dtype=torch.float64), diagonal=1)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+# ---- Triton: CPU interpreter at small shapes (fp32), the GPU for everything ----
+
+def _triton_fn(backward="triton"):
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    return lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SMALL_SHAPES[1:])
+def test_triton_matches_reference_small(shape, causal):
+    device = kernel_device()
+    _check_against_reference(_triton_fn(), shape, causal, torch.float32, device)
+
+
+def test_triton_saves_exactly_one_l_and_flag():
+    device = kernel_device()
+    from cs336_systems.kernels.flash_attention.function import FlashAttentionTriton
+
+    q, k, v = _inputs(2, None, 40, 40, 16, torch.float32, device)
+    out = FlashAttentionTriton.apply(q, k, v, True)
+    saved = out.grad_fn.saved_tensors
+    assert sum(t.shape == (2, 40) for t in saved) == 1 and all(t is not None for t in saved)
+    assert out.grad_fn.is_causal is True
+    _, lse = naive_attention(q.double(), k.double(), v.double(), True, return_lse=True)
+    torch.testing.assert_close(next(t for t in saved if t.shape == (2, 40)).double(), lse, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_reads_strided_views_in_place():
+    """The model's heads are views of (batch, seq, heads*d): non-contiguous 4-D input."""
+    device = kernel_device()
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    torch.manual_seed(0)
+    packed = torch.randn(2, 33, 3 * 16, device=device)
+    q, k, v = (packed[..., i * 16:(i + 1) * 16].reshape(2, 33, 1, 16).transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v, True)
+    torch.testing.assert_close(out, naive_attention(q.contiguous(), k.contiguous(), v.contiguous(), True),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v: (q.unsqueeze(1), k, v), "same number of dims"),
+    (lambda q, k, v: (q, k[:, :5], v), "same length"),
+    (lambda q, k, v: (q, k, v[..., :8]), "head dim"),
+    (lambda q, k, v: (q, k.double(), v), "share a dtype"),
+    (lambda q, k, v: (q.double(), k.double(), v.double()), "not supported"),
+    (lambda q, k, v: (q[0, 0], k[0, 0], v[0, 0]), "3-D"),
+])
+def test_triton_rejects_bad_input(bad, match):
+    device = kernel_device()
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    q, k, v = (torch.randn(2, 10, 16, device=device) for _ in range(3))
+    with pytest.raises(ValueError, match=match):
+        flash_attention(*bad(q, k, v))
+
+
+def test_triton_rejects_cpu_tensors_without_interpreter(monkeypatch):
+    import cs336_systems.kernels._triton_utils as utils
+
+    monkeypatch.setattr(utils, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        utils.check_kernel_device("flash attention", torch.randn(2))
+
+
+def test_triton_rejects_too_large_head_dim():
+    device = kernel_device()
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    q = torch.randn(1, 4, 200, device=device)
+    with pytest.raises(ValueError, match="too large"):
+        flash_attention(q, q, q)
+
+
+def test_unknown_backward_impl():
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    with pytest.raises(ValueError, match="backward must be one of triton, compile"):
+        flash_attention(torch.randn(1, 4, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16), backward="magic")
+
+
+# ---- GPU only: the full matrix ----
+
+GPU_SHAPES = SMALL_SHAPES + [(1, 4, 1000, 1000, 128), (2, 2, 513, 257, 64), (1, 2, 300, 300, 256),
+                             (1, 1, 2048, 2048, 64)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("backward", ["triton", "compile"])
+def test_triton_full_matrix_on_gpu(shape, causal, dtype, backward):
+    if shape[-1] > 128 and dtype == torch.float32:
+        pytest.skip("fp32 takes head dims up to 128")
+    if backward == "compile" and shape[2] * shape[3] > 2048 * 2048 // 4:
+        pytest.skip("the compiled backward materialises P; keep it to small shapes")
+    _check_against_reference(_triton_fn(backward), shape, causal, dtype, "cuda")
+
+
+@requires_cuda
+def test_triton_writes_every_output_element():
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    poison = torch.full((64 * 2**20,), float("nan"), device="cuda")  # fill the allocator's cache with NaN
+    del poison
+    q, k, v = _inputs(3, 5, 999, 1001, 64, torch.bfloat16, "cuda")
+    out = flash_attention(q, k, v, True)
+    out.backward(torch.randn_like(out))
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+
+
+@requires_cuda
+def test_triton_memory_is_linear_in_sequence_length():
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    n, d = 16384, 64
+    q, k, v = _inputs(1, 1, n, n, d, torch.bfloat16, "cuda")
+    do = torch.randn_like(q)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    flash_attention(q, k, v, True).backward(do)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # O, dQ, dK, dV, L and D: a few (n x d) tensors; an (n x n) bf16 buffer would be 512 MiB.
+    assert extra < 16 * n * d * 2, f"extra {extra / 2**20:.1f} MiB"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cs336_systems.bench import model_suite, precision_suite
+from cs336_systems.bench import attention_suite, model_suite, precision_suite
 
 SUITES = {
+    "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
     "model": (model_suite, "time forward / forward-backward / train-step of the LM (sweeps, profiling)"),
     "precision": (precision_suite, "the handout's accumulation loops and autocast dtypes, computed"),
 }

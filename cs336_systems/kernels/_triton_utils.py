@@ -22,3 +22,9 @@ def check_kernel_device(name: str, *tensors: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
         )
+
+
+def autotune_enabled() -> bool:
+    """CS336_AUTOTUNE=0 takes the first fitting config instead of timing them all (fast cold
+    starts for tests); the default tunes, over deliberately small spaces."""
+    return os.environ.get("CS336_AUTOTUNE", "1") != "0"

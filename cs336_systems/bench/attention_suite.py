@@ -1,0 +1,270 @@
+"""The `attention` suite: our attention kernels against PyTorch's, forward / backward / both.
+
+Handout problems: pytorch_attention (sweep `handout`), torch_compile (a) (the `naive-compiled`
+provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (sweep
+`train`). Providers: ours -- `triton`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
+small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
+`sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
+
+The `handout` sweep times 100 forward and 100 backward passes with the timing helper and
+records the memory in use before backward; the others use triton.testing.do_bench (median
+of all samples). TFLOP/s counts causal FLOPs: forward 4*B*H*N^2*d/2, backward 2.5x, both 3.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import cs336_basics.model as basics_model
+from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
+from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.profiling.flops import attention_flops
+from cs336_systems.profiling.timing import bench_kernel, time_fn
+
+OURS = ("triton", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
+BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
+PROVIDERS = OURS + BASELINES
+PASSES = ("fwd", "bwd", "fwd-bwd")
+FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd-bwd": 3.5}
+PYTORCH_FLASH_MAX_SEQ = 2048  # a Python loop over 16x16 tiles: minutes per call beyond this
+COMPILED_BWD_MAX_SCORES = 16384 * 16384  # it materialises P in fp32
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    batch: int
+    heads: int  # 0: 3-D inputs (batch, seq, d), as in the handout's sweep
+    seq: int
+    d: int
+    dtype: str
+    causal: bool
+    provider: str
+
+
+SWEEPS = {
+    # pytorch_attention: batch 8, no heads, naive eager vs compiled, not causal.
+    "handout": dict(batch=8, heads=0, seq=[256, 1024, 4096, 8192, 16384], d=[16, 32, 64, 128], dtype=["fp32"],
+                    causal=False, provider=["naive", "naive-compiled"]),
+    # flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 and fp32.
+    "flash": dict(batch=1, heads=0, seq=[2**i for i in range(7, 17)], d=[16, 32, 64, 128], dtype=["bf16", "fp32"],
+                  causal=True, provider=["naive", "pytorch-flash", "triton", "triton-compile-bwd", "sdpa-flash",
+                                         "sdpa-efficient", "sdpa-cudnn"]),
+    # Multi-head training shapes (the leaderboard's attention is the last).
+    "train": dict(shapes=[(4, 32, 16384, 64), (1, 32, 32768, 128), (2, 16, 16384, 128), (4, 32, 4096, 64)],
+                  dtype=["bf16"], causal=True, provider=["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sweep", choices=[*SWEEPS, "custom"], default="custom",
+                        help="a preset sweep (handout, flash, train) or custom (the options below)")
+    parser.add_argument("--batch", type=positive_int("--batch"), default=1)
+    parser.add_argument("--heads", type=positive_int("--heads", 0), default=0, help="0: 3-D inputs (default)")
+    parser.add_argument("--seq", type=list_of(positive_int("--seq"), name="--seq"), default=[128, 256])
+    parser.add_argument("--d", type=list_of(positive_int("--d"), name="--d"), default=[16, 64])
+    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=None,
+                        help="fp32, bf16, fp16 (default bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--causal", choices=["on", "off"], default="on")
+    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=None,
+                        help=f"comma-separated from: {', '.join(PROVIDERS)} (default: the sweep's)")
+    parser.add_argument("--pass", dest="passes", type=list_of(str, PASSES, "--pass"), default=list(PASSES))
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
+    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time per measurement")
+    parser.add_argument("--plot", default=None, help="write a TFLOP/s-vs-sequence plot of this run to this PNG")
+    add_common_arguments(parser)
+
+
+def cases(args) -> list[AttentionCase]:
+    sweep = SWEEPS.get(args.sweep, {})
+    default_dtype = ["bf16"] if args.device.type == "cuda" else ["fp32"]
+    dtypes = args.dtype or sweep.get("dtype", default_dtype)
+    providers = args.provider or sweep.get("provider", ["triton", "naive"] if args.device.type == "cuda"
+                                           else ["pytorch-flash", "naive"])
+    causal = sweep.get("causal", args.causal == "on")
+    if "shapes" in sweep:
+        shapes = sweep["shapes"]
+    else:
+        shapes = [(sweep.get("batch", args.batch), sweep.get("heads", args.heads), s, d)
+                  for d, s in itertools.product(sweep.get("d", args.d), sweep.get("seq", args.seq))]
+    return [AttentionCase(b, h, s, d, dtype, causal, p)
+            for (b, h, s, d), dtype, p in itertools.product(shapes, dtypes, providers)]
+
+
+def _attention_fn(provider: str, causal: bool):
+    """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
+    if provider in ("triton", "triton-compile-bwd"):
+        from cs336_systems.kernels.flash_attention.function import flash_attention
+
+        backward = "triton" if provider == "triton" else "compile"
+        return lambda q, k, v: flash_attention(q, k, v, causal, backward=backward)
+    if provider == "pytorch-flash":
+        from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
+
+        return lambda q, k, v: FlashAttentionPytorch.apply(q, k, v, causal)
+    if provider in ("naive", "naive-compiled"):
+        def naive(q, k, v):
+            mask = None
+            if causal:
+                idx = torch.arange(q.shape[-2], device=q.device)
+                mask = idx[None, :] <= idx[:, None]
+            return basics_model.scaled_dot_product_attention(q, k, v, mask)
+        if provider == "naive":
+            return naive
+        compiled = torch.compile(naive)
+
+        def naive_compiled(q, k, v):
+            # Donated buffers forbid the retained-graph backward the `bwd` pass times.
+            with torch._functorch.config.patch(donated_buffer=False):
+                return compiled(q, k, v)
+        return naive_compiled
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}[provider]
+
+    def sdpa(q, k, v):  # a baseline: torch's own kernels
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return sdpa
+
+
+def _skip_reason(case: AttentionCase, device: torch.device) -> str | None:
+    if case.provider.startswith("sdpa") and device.type != "cuda":
+        return "SDPA backends are CUDA kernels"
+    if case.provider.startswith("triton") and device.type != "cuda":
+        return "Triton kernels need CUDA (use the tests for the interpreter)"
+    if case.provider == "pytorch-flash" and case.seq > PYTORCH_FLASH_MAX_SEQ:
+        return f"tiled Python reference is too slow above seq {PYTORCH_FLASH_MAX_SEQ}"
+    if case.provider == "triton-compile-bwd" and case.seq * case.seq > COMPILED_BWD_MAX_SCORES:
+        return "the compiled backward materialises (seq x seq) P"
+    return None
+
+
+def run(args) -> int:
+    device: torch.device = args.device
+    all_cases = cases(args)
+    store = ResultStore("attention", device, args.results_dir)
+    for case in tqdm(all_cases, desc=f"attention ({args.sweep})", disable=args.no_progress):
+        _run_case(case, args, store)
+    _print_table(store, args)
+    if args.plot:
+        from cs336_systems.report.plots import plot_attention_tflops
+
+        plot_attention_tflops(store.frame(), Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
+    device = args.device
+    config = {k: v for k, v in asdict(case).items() if k != "provider"}
+    reason = _skip_reason(case, device)
+    if reason:
+        for p in args.passes:
+            store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms",
+                      status="skipped", message=reason)
+        return
+    free_memory(device)
+    lead = (case.batch,) if case.heads == 0 else (case.batch, case.heads)
+    flops_fwd = attention_flops(case.batch, max(case.heads, 1), case.seq, case.seq, case.d, causal=case.causal)
+    fn = _attention_fn(case.provider, case.causal)
+    for p in args.passes:
+        try:
+            torch.manual_seed(0)
+            q, k, v = (torch.randn(*lead, case.seq, case.d, device=device, dtype=DTYPES[case.dtype],
+                                   requires_grad=True) for _ in range(3))
+            grad_out = torch.randn_like(q)
+            timing, memory = _measure(p, fn, q, k, v, grad_out, args)
+            row = config | {"pass": p}
+            store.add(provider=case.provider, config=row, metric="time", unit="ms", stats=timing.stats())
+            store.add(provider=case.provider, config=row, metric="tflops", unit="TFLOP/s",
+                      value=flops_fwd * FLOP_FACTOR[p] / timing.median / 1e12)
+            for name, value in memory.items():
+                store.add(provider=case.provider, config=row, metric=name, unit="GiB", value=value / 2**30)
+        except Exception as error:
+            status = "oom" if is_oom(error) else "unsupported"
+            store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms", status=status,
+                      message=(str(error).splitlines() or [type(error).__name__])[0][:300])
+        finally:
+            q = k = v = grad_out = None
+            free_memory(device)
+
+
+def _measure(p: str, fn, q, k, v, grad_out, args):
+    device = q.device
+    memory = {}
+    handout = args.sweep == "handout"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if p == "fwd":
+        def call():
+            with torch.no_grad():
+                fn(q, k, v)
+        timing = time_fn(call, warmup=5, steps=100, device=device) if handout else \
+            bench_kernel(call, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    elif p == "bwd":
+        out = fn(q, k, v)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            memory["memory_before_backward"] = torch.cuda.memory_allocated(device)
+
+        def call():
+            for t in (q, k, v):
+                t.grad = None
+            out.backward(grad_out, retain_graph=True)
+        timing = time_fn(call, warmup=5, steps=100, device=device) if handout else \
+            bench_kernel(call, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    else:
+        def call():
+            fn(q, k, v).backward(grad_out)
+        timing = bench_kernel(call, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                              grad_to_none=[q, k, v])
+    if device.type == "cuda":
+        memory["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+    return timing, memory
+
+
+def speedups(frame, ours: str = "triton") -> "pandas.DataFrame":  # noqa: F821
+    """Per shape and pass: our median time and each baseline's, and baseline_time / our_time."""
+    import pandas as pd
+
+    if frame.empty:
+        return frame
+    times = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
+    keys = ["batch", "heads", "seq", "d", "dtype", "causal", "pass"]
+    wide = times.pivot_table(index=keys, columns="provider", values="median", aggfunc="last")
+    if ours not in wide.columns:
+        return pd.DataFrame()
+    for base in BASELINES + ("naive",):
+        if base in wide.columns:
+            wide[f"{ours} speed-up vs {base}"] = wide[base] / wide[ours]
+    return wide.reset_index()
+
+
+def _print_table(store: ResultStore, args) -> None:
+    frame = store.frame()
+    if frame.empty:
+        return
+    fmt = "latex" if args.latex else "markdown"
+    times = frame[frame["metric"] == "time"].copy()
+    times["cell"] = [f"{m:.3f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])]
+    keys = ["batch", "heads", "seq", "d", "dtype", "causal", "pass"]
+    table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
+    print("median ms per call")
+    print(format_table(table, fmt))
+    ratio = speedups(frame)
+    if not ratio.empty and any("speed-up" in c for c in ratio.columns):
+        cols = keys + [c for c in ratio.columns if "speed-up" in c]
+        print("\nspeed-up of our Triton kernel (baseline time / ours)")
+        print(format_table(ratio[cols].round(3), fmt))
+    print(f"\nrows appended to {store.path}")
+
+
+__all__ = ["SWEEPS", "cases", "run", "speedups", "math"]

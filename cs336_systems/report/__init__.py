@@ -1,0 +1,1 @@
+"""Tables and plots built from result rows only (never typed numbers)."""

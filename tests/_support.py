@@ -40,9 +40,10 @@ def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_within_budget(name: str, out: torch.Tensor, ref: torch.Tensor, torch_low_precision: torch.Tensor,
                          factor: float = 2.0) -> None:
     """Our error against the high-precision reference may be at most `factor` x PyTorch's own error at the same
-    low precision (Tri Dao's test idiom), plus a floor of 1e-6 x max(1, reference scale) for cases PyTorch gets
-    exactly (e.g. a gradient that is exactly zero)."""
+    low precision (Tri Dao's test idiom), plus `factor` rounding units of the output dtype at the reference's
+    scale (machine epsilon x max(1, |ref|)): where PyTorch lands within an ulp (or a gradient is exactly zero),
+    `factor` x its error is no budget at all."""
     ours = max_abs_error(out, ref)
-    floor = 1e-6 * max(1.0, ref.double().abs().max().item())
+    floor = factor * torch.finfo(out.dtype).eps * max(1.0, ref.double().abs().max().item())
     budget = factor * max_abs_error(torch_low_precision, ref) + floor
     assert ours <= budget, f"{name}: max error {ours:.3e} > budget {budget:.3e}"

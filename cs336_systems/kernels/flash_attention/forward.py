@@ -23,7 +23,7 @@ import triton.language as tl
 from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
 
 LOG2E = 1.4426950408889634
-MASK_VALUE_LOG2 = -1e6 * LOG2E  # the assignment's -1e6, in log2 units
+MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
 
 
 @triton.jit

@@ -40,10 +40,15 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     def build(self, device=None, dtype=None):
-        """Construct the BasicsTransformerLM (on CPU, then moved), deterministic under torch.manual_seed."""
+        """Construct the BasicsTransformerLM with its parameters created on `device` (initialising
+        billions of parameters on the CPU first takes minutes); seeded by torch.manual_seed."""
+        import torch
+
         from cs336_basics.model import BasicsTransformerLM
 
-        return BasicsTransformerLM(**self.model_kwargs()).to(device=device, dtype=dtype)
+        with torch.device(device or "cpu"):
+            model = BasicsTransformerLM(**self.model_kwargs())
+        return model.to(dtype=dtype) if dtype is not None else model
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> ModelConfig:

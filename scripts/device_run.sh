@@ -33,9 +33,18 @@ run_stage() {
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       python3 -m cs336_systems.bench attention --sweep handout --no-progress --results-dir "$R" 2>&1 | tail -20
       ;;
+    tests-fp32)
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        -k "dtype2 or memory or strided or saves" 2>&1 | tee "$OUT/tests_gpu_fp32.log" | tail -8
+      ;;
     model)
-      python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype fp32,bf16 --compile off,on \
-        --provider ours,baseline --no-progress --results-dir "$R" 2>&1 | tail -80
+      # Eager: every size, fp32 and bf16, all three modes, ours beside the PyTorch-native baseline.
+      python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype fp32,bf16 --compile off \
+        --provider ours,baseline --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -60
+      ;;
+    model-compiled)
+      python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --compile on \
+        --mode train-step --provider ours,baseline --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -15
       ;;
     model-triton)
       python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --compile off,on \
@@ -43,7 +52,7 @@ run_stage() {
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \
-        --no-progress --results-dir "$R" 2>&1 | tail -40
+        --warmup 3 --steps 5 --no-progress --results-dir "$R" 2>&1 | tail -40
       ;;
     *) echo "unknown stage $1"; return 2 ;;
   esac

@@ -117,7 +117,8 @@ class _Harness:
             self.model = cfg.build(device=device)
             self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
         else:
-            self.model = BaselineLM(cfg).to(device)
+            with torch.device(device):
+                self.model = BaselineLM(cfg)
             self.optimizer = baseline_optimizer(self.model, device)
         self.forward_model = torch.compile(self.model) if case.compile else self.model
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import cs336_basics.model as basics_model
 from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
-from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, time_fn
 
@@ -237,7 +237,7 @@ def _measure(p: str, fn, q, k, v, grad_out, args):
     return timing, memory
 
 
-def speedups(frame, ours: str = "triton") -> "pandas.DataFrame":  # noqa: F821
+def speedups(frame, ours: str = "triton") -> pandas.DataFrame:  # noqa: F821
     """Per shape and pass: our median time and each baseline's, and baseline_time / our_time."""
     import pandas as pd
 

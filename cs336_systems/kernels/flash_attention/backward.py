@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
-from cs336_systems.kernels.flash_attention.forward import LOG2E, exp2
+from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 
 
@@ -72,7 +72,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
         sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-        pT = exp2(sT - lse[None, :] * 1.4426950408889634, PRECISION == "ieee")
+        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -99,7 +99,7 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
             kT = tl.load(kT_block)
             vT = tl.load(vT_block)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = exp2(s - lse[:, None] * 1.4426950408889634, PRECISION == "ieee")
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             keep = offs_n[None, :] < n_keys

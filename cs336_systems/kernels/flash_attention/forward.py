@@ -19,30 +19,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
 
 LOG2E = 1.4426950408889634
 MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
-
-
-@triton.jit
-def exp2(x, PRECISE: tl.constexpr):
-    """2**x: the hardware approximation (ex2.approx, ~2 ulp) for 16-bit inputs, libdevice's exact one
-    for IEEE fp32, so fp32 attention is as accurate as torch's fp32 (measured on the H200 tests)."""
-    if PRECISE:
-        return libdevice.exp2(x)
-    else:
-        return tl.math.exp2(x)
-
-
-@triton.jit
-def log2(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log2(x)
-    else:
-        return tl.math.log2(x)
 
 
 @triton.jit
@@ -66,8 +47,8 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
                 s += tl.where(offs_n[None, :] <= offs_m[:, None], 0.0, MASK_VALUE_LOG2)
             s = tl.where(offs_n[None, :] < n_keys, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = exp2(s - m_new[:, None], PRECISION == "ieee")
-        alpha = exp2(m_i - m_new, PRECISION == "ieee")
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -149,5 +130,5 @@ def flash_forward_kernel(Q, K, V, O, L,
     o_block = tl.make_block_ptr(o_base, shape=(n_queries, head_dim), strides=(stride_on, stride_od),
                                 offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
     tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
-    lse = (m_i + log2(l_i, PRECISION == "ieee")) / 1.4426950408889634  # back to natural log
+    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
     tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

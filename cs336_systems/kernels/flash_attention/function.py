@@ -17,7 +17,7 @@ import math
 import torch
 import triton
 
-from cs336_systems.kernels._triton_utils import check_kernel_device, interpreting
+from cs336_systems.kernels._triton_utils import check_kernel_device
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_dkdv_kernel,
@@ -64,9 +64,7 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 def _launch_shape(q: torch.Tensor, k: torch.Tensor):
     head_dim = q.shape[-1]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    # "ieee" also selects exact exp2/log2 (libdevice, which the CPU interpreter lacks; it computes exactly anyway).
-    ieee = q.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 and not interpreting()
-    precision = "ieee" if ieee else "tf32"
+    precision = "tf32" if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
     buckets = (triton.next_power_of_2(q.shape[-2]), triton.next_power_of_2(k.shape[-2]))
     return block_d, block_d == head_dim, precision, buckets
 

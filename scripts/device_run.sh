@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, attention, attention-full, model, profile. The machine has no package
-# registry, so the package runs from the checkout (PYTHONPATH) on the image's torch/Triton.
+# Stages: env, tests, tests-fp32, attention, attention-full, model, model-compiled, model-triton, profile.
+# The machine has no package registry, so the package runs from the checkout (PYTHONPATH) on the
+# image's torch/Triton. The tree travels without .git: pass the commit in, e.g.
+#   CS336_GIT_COMMIT=$(git rev-parse --short=12 HEAD)   (computed here, written into the run command)
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
+import os
 import platform
 import subprocess
 import uuid
@@ -25,6 +26,10 @@ DEFAULT_RESULTS_DIR = Path("runs")  # git-ignored; committed measurements live i
 
 @functools.cache
 def git_commit() -> str:
+    """The checkout's commit (+ "-dirty"); CS336_GIT_COMMIT overrides it where the tree travels without .git
+    (the lent GPU machine)."""
+    if os.environ.get("CS336_GIT_COMMIT"):
+        return os.environ["CS336_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=10)

@@ -1,0 +1,165 @@
+"""Process-group set-up for torchrun (env://, one node or many), mp.spawn, and world size 1,
+plus the few collectives gloo lacks.
+
+* `setup(...)` reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun sets
+  them), picks NCCL for CUDA and gloo otherwise, pins the device to the local rank, and uses
+  a bounded timeout so a rank that dies makes the others fail instead of hanging.
+* `spawn(fn, world_size, ...)` runs `fn(rank, world_size, *args)` in fresh processes on a free
+  port; if one raises, torch's spawn terminates the rest and re-raises its error here.
+* `reduce_scatter` / `all_gather_into` fall back to all-reduce + slice and list all-gather
+  on gloo, which has no reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None: single process, no group
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(backend: str | None = None, *, rank: int | None = None, world_size: int | None = None,
+          device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Join (or skip, at world size 1) the default process group; returns where this rank runs."""
+    world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    want_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if want_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    if backend is None:
+        backend = "nccl" if want_cuda else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"setup: backend must be nccl or gloo, got {backend!r}")
+    if world_size == 1 and not dist.is_initialized():
+        return DistContext(0, 1, 0, dev, None)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", "12390")
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if backend == "nccl" else None)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world_size), str(rank)
+    device = "cuda" if backend == "nccl" else "cpu"
+    setup(backend, rank=rank, world_size=world_size, device=device)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        teardown()
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", port: int | None = None) -> None:
+    """Run fn(rank, world_size, *args) on `world_size` processes, each already in the process group
+    (gloo on CPU by default; "nccl" for one GPU per rank); the first error is re-raised here."""
+    if world_size < 1:
+        raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    mp.spawn(_spawn_entry, args=(fn, world_size, port or free_port(), backend, args), nprocs=world_size,
+             join=True)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_gloo() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "gloo"
+
+
+def all_reduce(tensor: torch.Tensor, op=None, async_op: bool = False):
+    """In-place sum (default) over ranks; a no-op handle at world size 1."""
+    if world_size() == 1:
+        return _Done() if async_op else None
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """output (n,) <- rank's slice of the sum over ranks of input (world*n,). gloo: all-reduce + slice."""
+    ws = world_size()
+    if ws == 1:
+        output.copy_(input)
+        return _Done() if async_op else None
+    if is_gloo():
+        summed = input.clone()
+        dist.all_reduce(summed)
+        output.copy_(summed.view(ws, -1)[rank()])
+        return _Done() if async_op else None
+    return dist.reduce_scatter_tensor(output, input, async_op=async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    """output (world*n,) <- every rank's input (n,), in rank order."""
+    ws = world_size()
+    if ws == 1:
+        output.copy_(input)
+        return _Done() if async_op else None
+    if is_gloo():
+        dist.all_gather(list(output.view(ws, -1).unbind(0)), input.contiguous())
+        return _Done() if async_op else None
+    return dist.all_gather_into_tensor(output, input, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, async_op: bool = False):
+    if world_size() == 1:
+        return _Done() if async_op else None
+    return dist.broadcast(tensor, src=src, async_op=async_op)
+
+
+class _Done:
+    """The handle of a collective that already completed."""
+
+    def wait(self):
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None, **kwargs):
+    """`with distributed() as ctx:` set up, yield the context, tear down."""
+    ctx = setup(backend, **kwargs)
+    try:
+        yield ctx
+    finally:
+        teardown()

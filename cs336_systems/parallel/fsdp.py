@@ -1,0 +1,357 @@
+"""Fully sharded data parallel over cs336_basics Linear and Embedding weights.
+
+Layout. Every `Linear` / `Embedding` weight (rows R) is cut into W equal row shards of
+ceil(R / W) rows (the last zero-padded); rank r keeps shard r as an fp32 Parameter registered
+on the *original module* under the name `weight`, so names, `isinstance` checks and the
+optimizer all see the shard. Everything else (norm weights) stays replicated.
+
+Forward. Each sharded module's `forward` is replaced by an autograd Function that takes the
+gathered full weight, runs the module class's own forward with it (the einsum or the row
+lookup: the maths stays in cs336_basics) and saves only its input, never the full weight,
+which is freed as soon as the layer is done. Weights are all-gathered asynchronously just in
+time: when layer i starts, the gather of layer i+1 is launched, so at most two full weights
+are alive and the gather of layer i starts only after layer i-2 finished its forward.
+`compute_dtype` casts the shard before it is communicated and computed with; fp32 masters
+and optimizer updates stay on the shards.
+
+Backward. Weights are re-gathered in reverse order with the same one-ahead prefetch. Under
+activation checkpointing the recomputed forward gathers the weight and keeps it for the
+backward right after, so a recomputed layer is gathered once, not twice. Weight gradients
+are reduce-scattered (averaged) asynchronously; replicated gradients are all-reduced in
+`finish_gradient_synchronization()`, after which every trainable master has a `.grad` of its
+own shape and fp32 dtype (zeros where the layer got no gradient).
+
+Exact mode (`exact_gradients=True`), a correctness mode: a reduce-scatter of per-rank weight
+gradients sums two partial matmuls, which differs from one full-batch matmul in the last
+bits. Here each layer's backward instead all-gathers its inputs and output gradients in rank
+order and reruns the module's own op on the full batch under autograd, exactly as a single
+process would, keeping its shard of the weight gradient and its slice of the input gradient;
+replicated modules (norms) do the same. With per-rank mean losses and W a power of two, the
+averaged gradients are then bitwise those of single-process training. It costs one extra
+forward of each layer and gathers of activations: a mode for tests, not for speed. All
+ranks must hold batches of equal shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from einops import einsum
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from cs336_basics.model import Embedding, Linear
+from cs336_systems.parallel import comm
+from cs336_systems.parallel.ddp import broadcast_from_rank0
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@contextlib.contextmanager
+def _weight_swapped(module: nn.Module, weight: torch.Tensor):
+    """Run the module class's own forward with `weight` in place of its shard."""
+    shard = module._parameters["weight"]
+    module._parameters["weight"] = weight
+    try:
+        yield
+    finally:
+        module._parameters["weight"] = shard
+
+
+def _original_forward(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    if weight is None:
+        return type(module).forward(module, x)
+    with _weight_swapped(module, weight):
+        return type(module).forward(module, x)
+
+
+def _gather_batch(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's x along dim 0, in rank order."""
+    ws = comm.world_size()
+    if ws == 1:
+        return x
+    out = torch.empty((ws * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into(out.view(-1), x.contiguous().view(-1))
+    return out
+
+
+@dataclass
+class _ShardedWeight:
+    """One sharded weight and its gather/reduce state."""
+
+    index: int
+    name: str
+    module: nn.Module
+    full_shape: tuple[int, ...]
+    rows_per_rank: int
+    full: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None
+    handle: object = None
+    pending_grad: list = field(default_factory=list)  # [(handle, reduced flat shard)]
+
+    @property
+    def shard(self) -> nn.Parameter:
+        return self.module._parameters["weight"]
+
+
+class FSDP(nn.Module):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
+                 exact_gradients: bool = False):
+        super().__init__()
+        self.module = module
+        self.compute_dtype = compute_dtype
+        self.exact_gradients = exact_gradients
+        self.world_size, self.rank = comm.world_size(), comm.rank()
+        broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+        self._units: list[_ShardedWeight] = []
+        self._unit_of: dict[int, _ShardedWeight] = {}
+        for name, sub in module.named_modules():
+            if isinstance(sub, (Linear, Embedding)) and id(sub) not in self._unit_of:
+                self._shard(name, sub)
+        self._replicated = [(n, p) for n, p in module.named_parameters()
+                            if p.requires_grad and not any(p is u.shard for u in self._units)]
+        if exact_gradients:
+            for sub in module.modules():
+                if id(sub) not in self._unit_of and any(True for _ in sub.parameters(recurse=False)):
+                    sub.forward = self._exact_replicated_forward(sub)
+        self._order: list[_ShardedWeight] = []  # forward execution order, learned on the first forward
+        self._order_known = False
+        self.gather_stats = {"ready_before_use": 0, "waited": 0}
+
+    # ---- set-up ----
+    def _shard(self, name: str, sub: nn.Module) -> None:
+        full = sub.weight.detach()
+        rows = full.shape[0]
+        per_rank = -(-rows // self.world_size)
+        padded = torch.zeros((per_rank * self.world_size, *full.shape[1:]), dtype=full.dtype, device=full.device)
+        padded[:rows] = full
+        shard = nn.Parameter(padded[self.rank * per_rank:(self.rank + 1) * per_rank].clone(),
+                             requires_grad=sub.weight.requires_grad)
+        sub.weight = shard  # same module object, same name: the shard is now `weight`
+        unit = _ShardedWeight(len(self._units), f"{name}.weight" if name else "weight", sub, tuple(full.shape),
+                              per_rank)
+        self._units.append(unit)
+        self._unit_of[id(sub)] = unit
+        sub.forward = lambda x, unit=unit: _ShardedForward.apply(x, unit.shard, unit, self)
+
+    def forward(self, *args, **kwargs):
+        if self._order and not self._order_known:
+            self._order_known = True
+        return self.module(*args, **kwargs)
+
+    # ---- gathering ----
+    def _start_gather(self, unit: _ShardedWeight) -> None:
+        if unit.full is not None or unit.handle is not None:
+            return
+        shard = unit.shard.detach()
+        if self.compute_dtype is not None:
+            shard = shard.to(self.compute_dtype)  # cast first: communicate in the compute dtype
+        unit.buffer = torch.empty((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=shard.dtype,
+                                  device=shard.device)
+        unit.handle = comm.all_gather_into(unit.buffer.view(-1), shard.contiguous().view(-1), async_op=True)
+
+    def _full_weight(self, unit: _ShardedWeight) -> torch.Tensor:
+        if unit.full is None:
+            if unit.handle is None:
+                self._start_gather(unit)
+            else:
+                self.gather_stats["ready_before_use" if unit.handle.is_completed() else "waited"] += 1
+            unit.handle.wait()
+            unit.handle = None
+            unit.full = unit.buffer[:unit.full_shape[0]]
+            unit.buffer = None
+        return unit.full
+
+    def _neighbour(self, unit: _ShardedWeight, step: int) -> _ShardedWeight | None:
+        if not self._order_known:
+            return None
+        position = self._order.index(unit) + step
+        return self._order[position] if 0 <= position < len(self._order) else None
+
+    def acquire(self, unit: _ShardedWeight, backward: bool, prefetch: bool = True) -> torch.Tensor:
+        """The full weight of `unit` (gathered, or waited for), and the next gather launched:
+        the following layer in forward, the previous one in backward."""
+        if not backward and not self._order_known and unit not in self._order:
+            self._order.append(unit)
+        weight = self._full_weight(unit)
+        nxt = self._neighbour(unit, -1 if backward else +1) if prefetch else None
+        if nxt is not None:
+            self._start_gather(nxt)
+        return weight
+
+    def release(self, unit: _ShardedWeight, keep: bool = False) -> None:
+        if not keep:
+            unit.full = None
+
+    # ---- gradients ----
+    def reduce_weight_gradient(self, unit: _ShardedWeight, full_grad: torch.Tensor) -> None:
+        """Start the averaged reduce-scatter of a full weight gradient (local batch) into the shard."""
+        padded = torch.zeros((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=full_grad.dtype,
+                             device=full_grad.device)
+        padded[:unit.full_shape[0]] = full_grad
+        out = torch.empty(unit.shard.numel(), dtype=full_grad.dtype, device=full_grad.device)
+        unit.pending_grad.append((comm.reduce_scatter(out, padded.view(-1), async_op=True), out))
+
+    def set_shard_gradient(self, unit: _ShardedWeight, full_grad: torch.Tensor) -> None:
+        """Exact mode: the full-batch gradient is already known; keep this rank's rows."""
+        padded = torch.zeros((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=full_grad.dtype,
+                             device=full_grad.device)
+        padded[:unit.full_shape[0]] = full_grad
+        rows = padded[self.rank * unit.rows_per_rank:(self.rank + 1) * unit.rows_per_rank]
+        unit.pending_grad.append((None, rows.reshape(-1).clone()))
+
+    @staticmethod
+    def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+        grad = grad.to(param.dtype).view_as(param)
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+
+    def finish_gradient_synchronization(self) -> None:
+        for unit in self._units:
+            for handle, flat in unit.pending_grad:
+                if handle is not None:
+                    handle.wait()
+                    flat = flat / self.world_size  # reduce-scatter summed; we average
+                elif self.world_size > 1:
+                    flat = flat / self.world_size
+                self._accumulate(unit.shard, flat)
+            unit.pending_grad.clear()
+            if unit.handle is not None:  # a prefetch nobody used (e.g. past the first layer)
+                unit.handle.wait()
+            unit.full, unit.buffer, unit.handle = None, None, None
+            if unit.shard.requires_grad and unit.shard.grad is None:
+                unit.shard.grad = torch.zeros_like(unit.shard)
+        replicated = [p for _, p in self._replicated]
+        for p in replicated:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.world_size > 1 and replicated and not self.exact_gradients:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for p in replicated:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            for grads in by_dtype.values():
+                flat = _flatten_dense_tensors(grads)
+                comm.all_reduce(flat)
+                flat.div_(self.world_size)
+                for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    g.copy_(value)
+
+    # ---- exact mode for replicated modules ----
+    def _exact_replicated_forward(self, sub: nn.Module):
+        params = [p for p in sub.parameters(recurse=False)]
+
+        def forward(x):
+            return _ExactReplicatedForward.apply(x, sub, self, *params)
+
+        return forward
+
+    # ---- checkpoints ----
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """{original name: full fp32 tensor} on every rank (a collective: call it on all ranks)."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            unit = next((u for u in self._units if u.shard is p), None)
+            if unit is None:
+                out[name] = p.detach().clone()
+                continue
+            full = torch.empty((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=p.dtype,
+                               device=p.device)
+            comm.all_gather_into(full.view(-1), p.detach().contiguous().view(-1))
+            out[name] = full[:unit.full_shape[0]].clone()
+        return out
+
+
+class _ShardedForward(torch.autograd.Function):
+    """y = module(x) with the gathered weight; saves x, not the weight."""
+
+    @staticmethod
+    def forward(ctx, x, shard, unit: _ShardedWeight, owner: FSDP):
+        recomputing = _in_backward()  # activation checkpointing re-runs forward inside backward
+        weight = owner.acquire(unit, backward=False, prefetch=not recomputing)
+        x_in = x.to(owner.compute_dtype) if owner.compute_dtype is not None and x.is_floating_point() else x
+        y = _original_forward(unit.module, x_in, weight)
+        ctx.save_for_backward(x)
+        ctx.unit, ctx.owner = unit, owner
+        # A recomputed layer keeps its weight for the backward that follows (one gather, not two).
+        owner.release(unit, keep=recomputing)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        unit, owner = ctx.unit, ctx.owner
+        weight = owner.acquire(unit, backward=True)
+        x_in = x.to(owner.compute_dtype) if owner.compute_dtype is not None and x.is_floating_point() else x
+        if owner.exact_gradients:
+            grad_x, grad_w = _exact_grads(unit.module, x_in, weight, grad_out)
+            owner.set_shard_gradient(unit, grad_w)
+        else:
+            grad_x, grad_w = _local_grads(unit.module, x_in, weight, grad_out)
+            owner.reduce_weight_gradient(unit, grad_w)
+        owner.release(unit)
+        if grad_x is not None:
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, None, None, None
+
+
+def _local_grads(module, x, weight, grad_out):
+    """Gradients of this rank's batch: dx and the (full-shape) dW, without recomputing y."""
+    if isinstance(module, Linear):
+        grad_x = einsum(grad_out, weight, "... d_out, d_out d_in -> ... d_in")
+        grad_w = einsum(grad_out, x, "... d_out, ... d_in -> d_out d_in")
+        return grad_x, grad_w
+    grad_w = torch.zeros_like(weight)
+    grad_w.index_add_(0, x.reshape(-1), grad_out.reshape(-1, weight.shape[1]).to(weight.dtype))
+    return None, grad_w
+
+
+def _exact_grads(module, x, weight, grad_out):
+    """Full-batch gradients by the module's own op under autograd, as one process would compute them."""
+    x_all, grad_all = _gather_batch(x), _gather_batch(grad_out.contiguous())
+    with torch.enable_grad():
+        w = weight.detach().requires_grad_()
+        inputs = [w]
+        x_leaf = x_all.detach()
+        if x_leaf.is_floating_point():
+            x_leaf.requires_grad_()
+            inputs.append(x_leaf)
+        y = _original_forward(module, x_leaf, w)
+        grads = torch.autograd.grad(y, inputs, grad_all)
+    grad_x = grads[1].chunk(comm.world_size())[comm.rank()] if len(grads) > 1 else None
+    return grad_x, grads[0]
+
+
+class _ExactReplicatedForward(torch.autograd.Function):
+    """Exact mode for modules with replicated parameters: full-batch parameter gradients, averaged."""
+
+    @staticmethod
+    def forward(ctx, x, module, owner, *params):
+        ctx.save_for_backward(x)
+        ctx.module, ctx.owner = module, owner
+        return _original_forward(module, x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        module = ctx.module
+        ws = comm.world_size()
+        x_all, grad_all = _gather_batch(x), _gather_batch(grad_out.contiguous())
+        params = list(module.parameters(recurse=False))
+        with torch.enable_grad():
+            x_leaf = x_all.detach().requires_grad_()
+            y = _original_forward(module, x_leaf)
+            grads = torch.autograd.grad(y, [x_leaf, *params], grad_all)
+        grad_x = grads[0].chunk(ws)[comm.rank()]
+        param_grads = [g / ws if ws > 1 else g for g in grads[1:]]
+        return (grad_x, None, None, *param_grads)
+
+
+def fsdp_gather_full_params(model: FSDP) -> dict[str, torch.Tensor]:
+    return model.gather_full_params()

@@ -44,7 +44,7 @@ def _groups_and_late_groups(rank, world_size):
     twins = [p.detach().clone().requires_grad_() for p in (a, b, c)]
     ref = torch.optim.SGD([{"params": [twins[0]], "lr": 0.5}, {"params": [twins[1]]}, {"params": [twins[2]],
                                                                                           "lr": 0.01}], lr=0.1)
-    for step in range(3):
+    for _ in range(3):
         for group in opt.param_groups + ref.param_groups:  # a scheduler's edit must reach the shards
             group["lr"] *= 0.5
         for ps, o in (((a, b, c), opt), (twins, ref)):

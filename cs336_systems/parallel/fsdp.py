@@ -26,7 +26,8 @@ gradients sums two partial matmuls, which differs from one full-batch matmul in 
 bits. Here each layer's backward instead all-gathers its inputs and output gradients in rank
 order and reruns the module's own op on the full batch under autograd, exactly as a single
 process would, keeping its shard of the weight gradient and its slice of the input gradient;
-replicated modules (norms) do the same. With per-rank mean losses and W a power of two, the
+replicated modules (norms) record their inputs and output gradients and get their parameter
+gradients the same way at the end of backward. With per-rank mean losses and W a power of two, the
 averaged gradients are then bitwise those of single-process training. It costs one extra
 forward of each layer and gathers of activations: a mode for tests, not for speed. All
 ranks must hold batches of equal shape.
@@ -114,10 +115,11 @@ class FSDP(nn.Module):
                 self._shard(name, sub)
         self._replicated = [(n, p) for n, p in module.named_parameters()
                             if p.requires_grad and not any(p is u.shard for u in self._units)]
+        self._replicated_records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
         if exact_gradients:
             for sub in module.modules():
                 if id(sub) not in self._unit_of and any(True for _ in sub.parameters(recurse=False)):
-                    sub.forward = self._exact_replicated_forward(sub)
+                    sub.register_forward_hook(self._record_replicated)
         self._order: list[_ShardedWeight] = []  # forward execution order, learned on the first forward
         self._order_known = False
         self.gather_stats = {"ready_before_use": 0, "waited": 0}
@@ -227,6 +229,8 @@ class FSDP(nn.Module):
             unit.full, unit.buffer, unit.handle = None, None, None
             if unit.shard.requires_grad and unit.shard.grad is None:
                 unit.shard.grad = torch.zeros_like(unit.shard)
+        if self.exact_gradients:
+            self._exact_replicated_gradients()
         replicated = [p for _, p in self._replicated]
         for p in replicated:
             if p.grad is None:
@@ -243,13 +247,27 @@ class FSDP(nn.Module):
                     g.copy_(value)
 
     # ---- exact mode for replicated modules ----
-    def _exact_replicated_forward(self, sub: nn.Module):
-        params = [p for p in sub.parameters(recurse=False)]
+    def _record_replicated(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        """Keep (input, output gradient) of a replicated module; its parameter gradients are redone on the
+        full batch in finish_gradient_synchronization. Its input gradient is left to autograd, so the engine
+        sums gradient contributions in the same order as a single process (sums are not associative)."""
+        if torch.is_grad_enabled() and output.requires_grad:
+            x = inputs[0].detach()
+            output.register_hook(lambda g: self._replicated_records.append((module, x, g.detach())))
 
-        def forward(x):
-            return _ExactReplicatedForward.apply(x, sub, self, *params)
-
-        return forward
+    def _exact_replicated_gradients(self) -> None:
+        exact: dict[int, torch.Tensor] = {}
+        for module, x, grad_out in self._replicated_records:
+            x_all, grad_all = _gather_batch(x.contiguous()), _gather_batch(grad_out.contiguous())
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(_original_forward(module, x_all), params, grad_all)
+            for p, g in zip(params, grads):
+                exact[id(p)] = exact[id(p)] + g if id(p) in exact else g
+        self._replicated_records.clear()
+        for _, p in self._replicated:
+            if id(p) in exact:
+                p.grad = exact[id(p)] / self.world_size if self.world_size > 1 else exact[id(p)]
 
     # ---- checkpoints ----
     @torch.no_grad()
@@ -326,31 +344,6 @@ def _exact_grads(module, x, weight, grad_out):
         grads = torch.autograd.grad(y, inputs, grad_all)
     grad_x = grads[1].chunk(comm.world_size())[comm.rank()] if len(grads) > 1 else None
     return grad_x, grads[0]
-
-
-class _ExactReplicatedForward(torch.autograd.Function):
-    """Exact mode for modules with replicated parameters: full-batch parameter gradients, averaged."""
-
-    @staticmethod
-    def forward(ctx, x, module, owner, *params):
-        ctx.save_for_backward(x)
-        ctx.module, ctx.owner = module, owner
-        return _original_forward(module, x)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
-        module = ctx.module
-        ws = comm.world_size()
-        x_all, grad_all = _gather_batch(x), _gather_batch(grad_out.contiguous())
-        params = list(module.parameters(recurse=False))
-        with torch.enable_grad():
-            x_leaf = x_all.detach().requires_grad_()
-            y = _original_forward(module, x_leaf)
-            grads = torch.autograd.grad(y, [x_leaf, *params], grad_all)
-        grad_x = grads[0].chunk(ws)[comm.rank()]
-        param_grads = [g / ws if ws > 1 else g for g in grads[1:]]
-        return (grad_x, None, None, *param_grads)
 
 
 def fsdp_gather_full_params(model: FSDP) -> dict[str, torch.Tensor]:

@@ -1,0 +1,155 @@
+"""FSDP on gloo: exact mode bitwise against single-process training, the fast mode close to it,
+fp16 compute against a single-process fp16-compute model, checkpointing without extra gathers."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+from einops import einsum
+from torch.utils.checkpoint import checkpoint
+
+from cs336_basics.model import BasicsTransformerLM, Embedding, Linear
+from cs336_basics.nn_utils import cross_entropy
+from cs336_systems.parallel.fsdp import FSDP, fsdp_gather_full_params
+from tests._distributed import local_rows, run_on_ranks
+
+CONFIG = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+
+
+def _batches(steps, batch=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (batch, 16), generator=g), torch.randint(0, 64, (batch, 16), generator=g))
+            for _ in range(steps)]
+
+
+def _train(fsdp_kwargs, compare, rank, world_size, steps=3, reference_transform=None, wrap=None):
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(**CONFIG)
+    reference = copy.deepcopy(model)
+    if reference_transform:
+        reference_transform(reference)
+    fsdp = FSDP(model, **fsdp_kwargs)
+    if wrap:
+        wrap(fsdp.module)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        loss = cross_entropy(fsdp(local_rows(x, rank, world_size)).float(), local_rows(y, rank, world_size))
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        ref_opt.zero_grad()
+        cross_entropy(reference(x).float(), y).backward()
+        ref_opt.step()
+        full = fsdp_gather_full_params(fsdp)
+        assert list(full) == [n for n, _ in reference.named_parameters()]
+        for name, p in reference.named_parameters():
+            compare(full[name], p.detach(), name)
+    return fsdp
+
+
+def _bitwise(a, b, name):
+    assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item():.3e}"
+
+
+def _close(a, b, name):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _exact_and_fast(rank, world_size):
+    fsdp = _train(dict(exact_gradients=True), _bitwise, rank, world_size)
+    _train({}, _close, rank, world_size)
+    # Layout: the shard is `weight` on the original modules; parameters() lists each master once.
+    names = dict(fsdp.module.named_modules())
+    q_proj = names["layers.0.attn.q_proj"]
+    assert isinstance(q_proj, Linear) and q_proj.weight.shape == (32 // world_size, 32)
+    assert isinstance(names["token_embeddings"], Embedding) and names["token_embeddings"].weight.shape[0] == 32
+    assert names["ln_final"].weight.shape == (32,)  # replicated
+    ids = [id(p) for p in fsdp.parameters()]
+    assert len(ids) == len(set(ids)) == len(list(fsdp.module.parameters()))
+    for p in fsdp.parameters():
+        assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == torch.float32
+    # Replicated gradients are bitwise equal on every rank.
+    g = fsdp.module.ln_final.weight.grad
+    gathered = [torch.empty_like(g) for _ in range(world_size)]
+    dist.all_gather(gathered, g)
+    assert all(torch.equal(gathered[0], t) for t in gathered)
+
+
+def test_fsdp_exact_mode_is_bitwise_and_fast_mode_is_close():
+    run_on_ranks(_exact_and_fast, 2)
+
+
+def _fp16_reference(model):
+    """Single-process fp16 compute: Linear/Embedding weights cast to fp16 at use, masters fp32."""
+    for mod in model.modules():
+        if isinstance(mod, Linear):
+            mod.forward = lambda x, m=mod: einsum(x.half(), m.weight.half(), "... d_in, d_out d_in -> ... d_out")
+        elif isinstance(mod, Embedding):
+            mod.forward = lambda ids, m=mod: m.weight.half()[ids, :]
+
+
+def _fp16_compute(rank, world_size):
+    fsdp = _train(dict(compute_dtype=torch.float16), lambda a, b, n: torch.testing.assert_close(
+        a, b, rtol=1e-4, atol=1e-4, msg=n), rank, world_size, reference_transform=_fp16_reference)
+    for p in fsdp.parameters():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+
+
+def test_fsdp_fp16_compute_matches_single_process_fp16():
+    run_on_ranks(_fp16_compute, 2)
+
+
+def _checkpoint_blocks(model):
+    for block in model.layers:
+        block.forward = lambda x, b=block: checkpoint(type(b).forward, b, x, use_reentrant=False)
+
+
+def _checkpointing(rank, world_size):
+    counts = []
+
+    def counting(fsdp):
+        original = fsdp._start_gather
+
+        def start(unit):
+            if unit.full is None and unit.handle is None:
+                counts[-1] += 1
+            original(unit)
+        fsdp._start_gather = start
+
+    for wrap in (None, _checkpoint_blocks):
+        torch.manual_seed(0)
+        model = BasicsTransformerLM(**CONFIG)
+        fsdp = FSDP(model, exact_gradients=True)
+        if wrap:
+            wrap(fsdp.module)
+        counting(fsdp)
+        grads = []
+        for x, y in _batches(2):
+            counts.append(0)
+            for p in fsdp.parameters():
+                p.grad = None
+            cross_entropy(fsdp(local_rows(x, rank, world_size)), local_rows(y, rank, world_size)).backward()
+            fsdp.finish_gradient_synchronization()
+            grads.append([p.grad.clone() for p in fsdp.parameters()])
+        if wrap is None:
+            plain = grads
+        else:
+            for a, b in zip(plain[-1], grads[-1]):
+                assert torch.equal(a, b)  # checkpointing changes nothing in exact mode
+    n_units = 2 + CONFIG["num_layers"] * 7  # embedding, head, and 7 Linears per block
+    # Every weight gathered once in forward and once in backward; recomputation adds none.
+    assert counts == [2 * n_units] * 4, counts
+
+
+def test_fsdp_with_activation_checkpointing_gathers_each_weight_twice():
+    run_on_ranks(_checkpointing, 2)
+
+
+def _world_size_one(rank, world_size):
+    _train(dict(exact_gradients=True), _bitwise, rank, world_size, steps=2)
+
+
+def test_fsdp_world_size_one():
+    run_on_ranks(_world_size_one, 1)

@@ -5,11 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cs336_systems.bench import attention_suite, model_suite, precision_suite
+from types import SimpleNamespace
+
+from cs336_systems.bench import attention_suite, collectives_suite, model_suite, parallel_suites, precision_suite
 
 SUITES = {
     "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
     "model": (model_suite, "time forward / forward-backward / train-step of the LM (sweeps, profiling)"),
+    "collectives": (collectives_suite, "all-reduce / all-gather / reduce-scatter timings and bandwidth"),
+    "ddp": (SimpleNamespace(add_arguments=parallel_suites.add_ddp_arguments, run=parallel_suites.run_ddp,
+                            __doc__=parallel_suites.__doc__), "our DDP variants vs torch DDP: step and exposed comm"),
+    "sharding": (SimpleNamespace(add_arguments=parallel_suites.add_sharding_arguments,
+                                 run=parallel_suites.run_sharding, __doc__=parallel_suites.__doc__),
+                 "memory and step time with and without ZeRO-1 optimizer sharding"),
+    "fsdp": (SimpleNamespace(add_arguments=parallel_suites.add_fsdp_arguments, run=parallel_suites.run_fsdp,
+                             __doc__=parallel_suites.__doc__), "our FSDP vs DDP and torch FSDP2"),
     "precision": (precision_suite, "the handout's accumulation loops and autocast dtypes, computed"),
 }
 
@@ -26,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module, _ = SUITES[args.suite]
+    module, _ = SUITES[args.suite]  # args.suite names the results file too
     return module.run(args)
 
 

@@ -16,6 +16,8 @@ import contextlib
 import datetime
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,14 +75,21 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple) -> None:
+def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple,
+                 error_dir: str) -> None:
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world_size), str(rank)
     device = "cuda" if backend == "nccl" else "cpu"
-    setup(backend, rank=rank, world_size=world_size, device=device)
     try:
+        setup(backend, rank=rank, world_size=world_size, device=device)
         fn(rank, world_size, *args)
+    except BaseException as error:
+        # Record when and why this rank failed: the parent reports the first failure, the cause,
+        # not a peer's "connection closed" that followed it.
+        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+            f.write(f"{time.time()}\n{type(error).__name__}: {error}")
+        raise
     finally:
         teardown()
 
@@ -90,8 +99,20 @@ def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", po
     (gloo on CPU by default; "nccl" for one GPU per rank); the first error is re-raised here."""
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
-    mp.spawn(_spawn_entry, args=(fn, world_size, port or free_port(), backend, args), nprocs=world_size,
-             join=True)
+    with tempfile.TemporaryDirectory() as error_dir:
+        try:
+            mp.spawn(_spawn_entry, args=(fn, world_size, port or free_port(), backend, args, error_dir),
+                     nprocs=world_size, join=True)
+        except mp.ProcessRaisedException as error:
+            failures = []
+            for name in os.listdir(error_dir):
+                with open(os.path.join(error_dir, name)) as f:
+                    when, message = f.read().split("\n", 1)
+                failures.append((float(when), name, message))
+            if not failures:
+                raise
+            when, name, message = min(failures)
+            raise RuntimeError(f"{name} failed first: {message}") from error
 
 
 def world_size() -> int:

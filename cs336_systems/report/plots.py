@@ -41,3 +41,28 @@ def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_collectives(frame: pd.DataFrame, path: Path) -> Path:
+    """Time and bus bandwidth against size, one line per (op, world size, backend)."""
+    plt = _pyplot()
+    ok = frame[frame["status"] == "ok"]
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for (op, n, backend), rows in ok.groupby(["op", "world_size", "backend"]):
+        label = f"{op}, {n} ranks ({backend})"
+        times = rows[rows["metric"] == "time"].sort_values("size_mb")
+        bus = rows[rows["metric"] == "busbw"].sort_values("size_mb")
+        ax_time.plot(times["size_mb"], times["median"], marker="o", ms=3, label=label)
+        ax_bw.plot(bus["size_mb"], bus["median"], marker="o", ms=3, label=label)
+    for ax, ylabel in ((ax_time, "median time (ms)"), (ax_bw, "bus bandwidth (GB/s)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("tensor size (MB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    ax_time.set_yscale("log")
+    ax_bw.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -22,7 +22,8 @@ def _batches(steps, batch=4):
             for _ in range(steps)]
 
 
-def _train(fsdp_kwargs, compare, rank, world_size, steps=3, reference_transform=None, wrap=None):
+def _train(fsdp_kwargs, compare, rank, world_size, steps=3, reference_transform=None, wrap=None,
+           optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
     torch.manual_seed(0)
     model = BasicsTransformerLM(**CONFIG)
     reference = copy.deepcopy(model)
@@ -31,8 +32,8 @@ def _train(fsdp_kwargs, compare, rank, world_size, steps=3, reference_transform=
     fsdp = FSDP(model, **fsdp_kwargs)
     if wrap:
         wrap(fsdp.module)
-    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = optimizer(fsdp.parameters())
+    ref_opt = optimizer(reference.parameters())
     for x, y in _batches(steps):
         opt.zero_grad()
         loss = cross_entropy(fsdp(local_rows(x, rank, world_size)).float(), local_rows(y, rank, world_size))
@@ -79,6 +80,18 @@ def _exact_and_fast(rank, world_size):
 
 def test_fsdp_exact_mode_is_bitwise_and_fast_mode_is_close():
     run_on_ranks(_exact_and_fast, 2)
+
+
+def _adamw_on_shards(rank, world_size):
+    from cs336_basics.optimizer import AdamW
+
+    # Elementwise updates on the shards equal the unsharded update, so exact mode stays bitwise.
+    _train(dict(exact_gradients=True), _bitwise, rank, world_size, optimizer=lambda ps: AdamW(ps, lr=1e-2))
+    _train({}, _close, rank, world_size, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+
+
+def test_fsdp_with_our_adamw_and_torch_adamw():
+    run_on_ranks(_adamw_on_shards, 2)
 
 
 def _fp16_reference(model):

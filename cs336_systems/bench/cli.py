@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-
 from types import SimpleNamespace
 
 from cs336_systems.bench import attention_suite, collectives_suite, model_suite, parallel_suites, precision_suite

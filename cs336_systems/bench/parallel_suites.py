@@ -150,15 +150,7 @@ def _ddp_rank(args) -> None:
                 finish = wrapped.finish_gradient_synchronization
             opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
             finish_times: list[float] = []
-
-            def step():
-                if hasattr(wrapped, "on_train_batch_start"):
-                    wrapped.on_train_batch_start()
-                opt.zero_grad(set_to_none=True)
-                cross_entropy(wrapped(x), y).backward()
-                finish_times.append(timed(finish, device))
-                opt.step()
-
+            step = _ddp_step(wrapped, opt, finish, finish_times, x, y, device)
             samples, exposed = _measure(step, finish_times, args, device)
             per_rank, exposed_per_rank = gather_samples(samples), gather_samples(exposed)
             if store:
@@ -172,6 +164,32 @@ def _ddp_rank(args) -> None:
         finally:
             model = wrapped = opt = None
     _report(store, args, ["preset", "world_size", "backend", "variant", "bucket_mb"])
+    if store:
+        frame = rows_to_frame(store.rows)
+        steps = frame[(frame["metric"] == "step_time") & (frame["status"] == "ok")]
+        torch_row = steps[steps["variant"] == "torch-ddp"]
+        if not torch_row.empty:
+            baseline = torch_row["median"].iloc[-1]
+            for row in steps[steps["variant"] != "torch-ddp"].itertuples():
+                store.add(provider="ours", config={k: getattr(row, k) for k in base} | {
+                    "variant": row.variant, "bucket_mb": None if row.bucket_mb != row.bucket_mb else row.bucket_mb},
+                          metric="step_time_vs_torch_ddp", unit="x", value=row.median / baseline)
+            ratios = rows_to_frame([r for r in store.rows if r["metric"] == "step_time_vs_torch_ddp"])
+            ratios["bucket_mb"] = ratios["bucket_mb"].astype(object).where(ratios["bucket_mb"].notna(), "-")
+            print("\nour step time / torch DDP's (same run)")
+            print(format_table(ratios[["variant", "bucket_mb", "median"]].rename(columns={"median": "ratio"}).round(3),
+                               "latex" if args.latex else "markdown"))
+
+
+def _ddp_step(wrapped, opt, finish, finish_times, x, y, device):
+    def step():
+        if hasattr(wrapped, "on_train_batch_start"):
+            wrapped.on_train_batch_start()
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(wrapped(x), y).backward()
+        finish_times.append(timed(finish, device))  # the communication backward left exposed
+        opt.step()
+    return step
 
 
 # ---- sharding ----
@@ -210,25 +228,12 @@ def _sharding_rank(args) -> None:
             peaks = {}
             if device.type == "cuda":
                 peaks["after_init"] = torch.cuda.max_memory_allocated(device)
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                cross_entropy(model(x), y).backward()
-                model.finish_gradient_synchronization()
-                if device.type == "cuda":
-                    synchronize(device)
-                    peaks["before_step"] = torch.cuda.max_memory_allocated(device)
-                opt.step()
-                if device.type == "cuda":
-                    synchronize(device)
-                    peaks["after_step"] = torch.cuda.max_memory_allocated(device)
-
-            samples, _ = _measure(step, [], args, device)
+            samples, _ = _measure(_sharding_step(model, opt, peaks, x, y, device), [], args, device)
             breakdown = {"parameters": _tensor_bytes(model.parameters()),
                          "gradients": _tensor_bytes(p.grad for p in model.parameters()),
                          "optimizer_state": _optimizer_state_bytes(opt)}
-            per_rank = gather_samples([breakdown[k] for k in breakdown] + [peaks.get(k, float("nan")) for k in
-                                                                            ("after_init", "before_step", "after_step")])
+            cuda_peaks = [peaks.get(k, float("nan")) for k in ("after_init", "before_step", "after_step")]
+            per_rank = gather_samples(list(breakdown.values()) + cuda_peaks)
             times = gather_samples(samples)
             if store:
                 store.add(provider="ours", config=config, metric="step_time", unit="ms",
@@ -248,6 +253,21 @@ def _sharding_rank(args) -> None:
                      "bytes_peak_after_init", "bytes_peak_before_step", "bytes_peak_after_step"))
 
 
+def _sharding_step(model, opt, peaks, x, y, device):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        cross_entropy(model(x), y).backward()
+        model.finish_gradient_synchronization()
+        if device.type == "cuda":
+            synchronize(device)
+            peaks["before_step"] = torch.cuda.max_memory_allocated(device)
+        opt.step()
+        if device.type == "cuda":
+            synchronize(device)
+            peaks["after_step"] = torch.cuda.max_memory_allocated(device)
+    return step
+
+
 # ---- fsdp ----
 def run_fsdp(args) -> int:
     return launch(_fsdp_rank, args)
@@ -262,6 +282,17 @@ def _torch_fsdp2(model, device, dtype_name):
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)  # the baseline
+
+
+def _fsdp_step(wrapped, opt, finish, autocast, x, y):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            logits = wrapped(x)
+        cross_entropy(logits.float(), y).backward()
+        finish()
+        opt.step()
+    return step
 
 
 def _fsdp_rank(args) -> None:
@@ -287,16 +318,7 @@ def _fsdp_rank(args) -> None:
                     wrapped = _torch_fsdp2(model, device, dtype_name)
                     finish = lambda: None  # noqa: E731
                 opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    with autocast:
-                        logits = wrapped(x)
-                    cross_entropy(logits.float(), y).backward()
-                    finish()
-                    opt.step()
-
-                samples, _ = _measure(step, [], args, device)
+                samples, _ = _measure(_fsdp_step(wrapped, opt, finish, autocast, x, y), [], args, device)
                 times = gather_samples(samples)
                 stats = copy.copy(getattr(wrapped, "gather_stats", {}))
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")

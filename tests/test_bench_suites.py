@@ -1,0 +1,63 @@
+"""The attention, collectives, ddp, sharding and fsdp suites, run small on CPU (gloo, 2 processes)."""
+
+import pytest
+
+from cs336_systems.bench.cli import build_parser, main
+from cs336_systems.bench.results import load_rows
+
+QUICK = ["--device", "cpu", "--warmup", "1", "--steps", "2"]
+
+
+def test_attention_suite_cpu_providers_and_skips(tmp_path):
+    assert main(["attention", "--device", "cpu", "--seq", "32", "--d", "16", "--provider",
+                 "naive,pytorch-flash,triton,sdpa-flash", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    rows = load_rows(tmp_path / "attention.jsonl")
+    status = {(r["provider"], r["config"]["pass"]): r["status"] for r in rows if r["metric"] == "time"}
+    assert status[("naive", "fwd-bwd")] == "ok" and status[("pytorch-flash", "bwd")] == "ok"
+    assert status[("triton", "fwd")] == "skipped" and status[("sdpa-flash", "fwd")] == "skipped"
+    flops = [r for r in rows if r["metric"] == "tflops" and r["provider"] == "naive"]
+    assert len(flops) == 3 and all(r["median"] > 0 for r in flops)
+
+
+def test_attention_sweep_options_override_the_sweep():
+    from cs336_systems.bench.attention_suite import cases
+
+    args = build_parser().parse_args(["attention", "--sweep", "flash", "--seq", "256", "--d", "64",
+                                      "--dtype", "bf16", "--provider", "triton", "--device", "cpu"])
+    got = cases(args)
+    assert [(c.batch, c.heads, c.seq, c.d, c.dtype, c.causal) for c in got] == [(1, 1, 256, 64, "bf16", True)]
+
+
+def test_collectives_suite_two_ranks(tmp_path):
+    main(["collectives", "--world-size", "2", "--sizes-mb", "0.5", "--results-dir", str(tmp_path),
+          "--plot", str(tmp_path / "c.png"), *QUICK])
+    rows = load_rows(tmp_path / "collectives.jsonl")
+    assert {r["config"]["op"] for r in rows} == {"all-reduce", "all-gather", "reduce-scatter"}
+    bus = {r["config"]["op"]: r["median"] for r in rows if r["metric"] == "busbw"}
+    alg = {r["config"]["op"]: r["median"] for r in rows if r["metric"] == "algbw"}
+    assert bus["all-reduce"] == pytest.approx(alg["all-reduce"])  # 2(n-1)/n = 1 at n = 2
+    assert bus["all-gather"] == pytest.approx(alg["all-gather"] / 2)
+    assert all(r["config"]["world_size"] == 2 and r["config"]["backend"] == "gloo" for r in rows)
+    assert (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("suite,extra,metrics", [
+    ("ddp", ["--variant", "naive,bucketed,torch-ddp", "--bucket-mb", "0.01"], {"step_time", "exposed_comm_time"}),
+    ("sharding", [], {"step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state"}),
+    ("fsdp", ["--compute-dtype", "fp32", "--provider", "fsdp,ddp"], {"step_time", "gathers_ready_before_use"}),
+])
+def test_parallel_suites_two_ranks(tmp_path, suite, extra, metrics):
+    assert main([suite, "--world-size", "2", "--results-dir", str(tmp_path), *extra, *QUICK]) == 0
+    rows = load_rows(tmp_path / f"{suite}.jsonl")
+    assert all(r["status"] == "ok" for r in rows), [r["message"] for r in rows if r["status"] != "ok"]
+    assert metrics <= {r["metric"] for r in rows}
+    if suite == "sharding":
+        state = {r["config"]["optimizer"]: r["median"] for r in rows if r["metric"] == "bytes_optimizer_state"}
+        params = [r["median"] for r in rows if r["metric"] == "bytes_parameters"][0]
+        assert state["adamw"] == pytest.approx(2 * params, rel=1e-3)  # m and v (plus a step scalar each)
+        assert state["zero1-sharded-adamw"] < 0.8 * state["adamw"]
+
+
+def test_collectives_rejects_bad_sizes():
+    with pytest.raises(SystemExit, match="--sizes-mb"):
+        main(["collectives", "--device", "cpu", "--sizes-mb", "0"])

@@ -42,8 +42,10 @@ def test_collectives_suite_two_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("suite,extra,metrics", [
-    ("ddp", ["--variant", "naive,bucketed,torch-ddp", "--bucket-mb", "0.01"], {"step_time", "exposed_comm_time"}),
-    ("sharding", [], {"step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state"}),
+    ("ddp", ["--variant", "naive,bucketed,torch-ddp", "--bucket-mb", "0.01", "--profile"],
+     {"step_time", "exposed_comm_time", "step_time_vs_torch_ddp"}),
+    ("sharding", [], {"step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state",
+                      "bytes_activations"}),
     ("fsdp", ["--compute-dtype", "fp32", "--provider", "fsdp,ddp"], {"step_time", "gathers_ready_before_use"}),
 ])
 def test_parallel_suites_two_ranks(tmp_path, suite, extra, metrics):
@@ -51,6 +53,8 @@ def test_parallel_suites_two_ranks(tmp_path, suite, extra, metrics):
     rows = load_rows(tmp_path / f"{suite}.jsonl")
     assert all(r["status"] == "ok" for r in rows), [r["message"] for r in rows if r["status"] != "ok"]
     assert metrics <= {r["metric"] for r in rows}
+    if suite == "ddp":
+        assert len(list((tmp_path / "traces").glob("ddp_*.pt.trace.json"))) == 3  # naive, bucketed, torch-ddp
     if suite == "sharding":
         state = {r["config"]["optimizer"]: r["median"] for r in rows if r["metric"] == "bytes_optimizer_state"}
         params = [r["median"] for r in rows if r["metric"] == "bytes_parameters"][0]

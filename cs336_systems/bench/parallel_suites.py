@@ -9,8 +9,9 @@ torch's AdamW; a step counts as long as its slowest rank.
   finish_gradient_synchronization after backward) per variant: naive, flat, overlap, bucketed at
   each `--bucket-mb`, and torch's DistributedDataParallel as the baseline row.
 * sharding: bytes of parameters, gradients and optimizer state held per rank (counted from the
-  tensors themselves), CUDA peaks after init / before / after the optimizer step, time per step,
-  with AdamW unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
+  tensors themselves) and of activations (what one forward saves for backward, SavedTensorLog);
+  CUDA peaks after init / before / after the optimizer step; time per step; with AdamW
+  unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
 * fsdp: our FSDP (fp32 and --compute-dtype) against bucketed DDP and torch's FSDP2 (fully_shard,
   baseline): time per step, peak memory, and how many weight gathers were complete before use.
 
@@ -39,10 +40,12 @@ from cs336_systems.bench.distributed_common import (
 )
 from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
 from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.memory.saved_tensors import SavedTensorLog
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
+from cs336_systems.profiling.ranges import PhaseRanges
 
 
 def _add_model_arguments(parser) -> None:
@@ -56,6 +59,9 @@ def _add_model_arguments(parser) -> None:
 
 
 def add_ddp_arguments(parser) -> None:
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler trace of the timed steps per variant (rank 0), to see comm overlap")
+    parser.add_argument("--nvtx", action="store_true", help="NVTX ranges: forward, backward, finish, optimizer")
     parser.add_argument("--variant", type=list_of(str, ("naive", "flat", "overlap", "bucketed", "torch-ddp"),
                                                   "--variant"),
                         default=["naive", "flat", "overlap", "bucketed", "torch-ddp"])
@@ -150,8 +156,11 @@ def _ddp_rank(args) -> None:
                 finish = wrapped.finish_gradient_synchronization
             opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
             finish_times: list[float] = []
-            step = _ddp_step(wrapped, opt, finish, finish_times, x, y, device)
+            ranges = PhaseRanges(device, nvtx=args.nvtx, record=args.profile)
+            step = _ddp_step(wrapped, opt, finish, finish_times, x, y, device, ranges.phase)
             samples, exposed = _measure(step, finish_times, args, device)
+            if args.profile:
+                _trace_steps(step, args, device, f"ddp_{variant}" + (f"_{bucket_mb:g}mb" if bucket_mb else ""))
             per_rank, exposed_per_rank = gather_samples(samples), gather_samples(exposed)
             if store:
                 store.add(provider="torch" if variant == "torch-ddp" else "ours", config=config, metric="step_time",
@@ -181,15 +190,39 @@ def _ddp_rank(args) -> None:
                                "latex" if args.latex else "markdown"))
 
 
-def _ddp_step(wrapped, opt, finish, finish_times, x, y, device):
+def _ddp_step(wrapped, opt, finish, finish_times, x, y, device, phase):
     def step():
         if hasattr(wrapped, "on_train_batch_start"):
             wrapped.on_train_batch_start()
         opt.zero_grad(set_to_none=True)
-        cross_entropy(wrapped(x), y).backward()
-        finish_times.append(timed(finish, device))  # the communication backward left exposed
-        opt.step()
+        with phase("forward"):
+            loss = cross_entropy(wrapped(x), y)
+        with phase("backward"):
+            loss.backward()
+        with phase("finish_gradient_synchronization"):
+            finish_times.append(timed(finish, device))  # the communication backward left exposed
+        with phase("optimizer"):
+            opt.step()
     return step
+
+
+def _trace_steps(step, args, device, name: str) -> None:
+    """A Perfetto trace of a few steps on every rank (rank 0's is written): communication kernels
+    after backward (naive) or under it (overlap, bucketed) is what a user looks for."""
+    from pathlib import Path
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(min(args.steps, 3)):
+            step()
+        synchronize(device)
+    if comm.rank() == 0:
+        path = Path(args.results_dir) / "traces" / f"{name}_ws{comm.world_size()}.pt.trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        print(f"trace: {path}")
 
 
 # ---- sharding ----
@@ -229,9 +262,13 @@ def _sharding_rank(args) -> None:
             if device.type == "cuda":
                 peaks["after_init"] = torch.cuda.max_memory_allocated(device)
             samples, _ = _measure(_sharding_step(model, opt, peaks, x, y, device), [], args, device)
+            with SavedTensorLog(model.module) as saved:  # what one forward keeps for backward
+                activations_probe = cross_entropy(model(x), y)
+            del activations_probe
             breakdown = {"parameters": _tensor_bytes(model.parameters()),
                          "gradients": _tensor_bytes(p.grad for p in model.parameters()),
-                         "optimizer_state": _optimizer_state_bytes(opt)}
+                         "optimizer_state": _optimizer_state_bytes(opt),
+                         "activations": saved.total_bytes}
             cuda_peaks = [peaks.get(k, float("nan")) for k in ("after_init", "before_step", "after_step")]
             per_rank = gather_samples(list(breakdown.values()) + cuda_peaks)
             times = gather_samples(samples)
@@ -249,7 +286,7 @@ def _sharding_rank(args) -> None:
         finally:
             model = opt = None
     _report(store, args, ["preset", "world_size", "optimizer"],
-            metrics=("step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state",
+            metrics=("step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state", "bytes_activations",
                      "bytes_peak_after_init", "bytes_peak_before_step", "bytes_peak_after_step"))
 
 

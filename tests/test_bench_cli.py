@@ -19,6 +19,7 @@ FAST = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--no-progress"]
     (["model", "--steps", "abc"], "--steps: 'abc' is not an integer"),
     (["model", "--device", "tpu"], "--device"),
     (["model", "--attention", "magic"], "invalid choice: 'magic'"),
+    (["model", "--checkpoint", "every-k:x"], "--checkpoint: checkpoint policy every-k needs a positive group size"),
     (["nosuchsuite"], "invalid choice"),
 ])
 def test_bad_options_are_rejected_with_the_argument_named(argv, match, capsys):
@@ -80,6 +81,14 @@ def test_model_suite_profile_on_cpu(tmp_path, capsys):
     assert {"forward", "backward", "optimizer"} <= ranges
     assert 0 < sum(r["config"]["share"] for r in rows) <= 1.0 + 1e-6
     assert list((tmp_path / "traces").glob("*.pt.trace.json"))
+
+
+def test_model_suite_with_checkpointing(tmp_path):
+    main(["model", "--preset", "tiny", "--context", "16", "--mode", "train-step", "--checkpoint", "nested",
+          "--provider", "ours,baseline", "--results-dir", str(tmp_path), *FAST])
+    rows = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert {(r["provider"], r["config"]["checkpoint"]) for r in rows} == {("ours", "nested"), ("baseline", "none")}
+    assert all(r["status"] == "ok" for r in rows)
 
 
 def test_memory_needs_cuda(tmp_path):

@@ -35,6 +35,7 @@ from cs336_systems.bench.common import (
 )
 from cs336_systems.bench.results import ResultStore, format_table, pivot_table
 from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.memory.checkpointing import apply_checkpointing, parse_policy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 from cs336_systems.profiling.timing import time_fn
@@ -53,6 +54,7 @@ class ModelCase:
     compile: bool
     provider: str
     attention: str
+    checkpoint: str = "none"
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=max(self.context, 1), **overrides)
@@ -74,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ours, baseline (PyTorch-native LM, SDPA, fused AdamW), or ours,baseline")
     parser.add_argument("--attention", choices=attention_names(), default="reference",
                         help="our attention implementation (default: reference, the staff maths)")
+    parser.add_argument("--checkpoint", type=_checkpoint_policy, default="none",
+                        help="activation checkpointing of our model: none, every-block, every-k:K, sqrt, nested, "
+                             "ffn, attn (default none; the baseline is never checkpointed)")
     parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5, help="warm-up steps (default 5)")
     parser.add_argument("--steps", type=positive_int("--steps"), default=10, help="timed steps (default 10)")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
@@ -90,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
 
 
+def _checkpoint_policy(text: str) -> str:
+    try:
+        parse_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--checkpoint: {e}") from None
+    return text
+
+
 def _overrides(args) -> dict:
     names = {"d_model": args.d_model, "d_ff": args.d_ff, "num_layers": args.num_layers,
              "num_heads": args.num_heads, "vocab_size": args.vocab_size}
@@ -103,7 +116,8 @@ def cases(args) -> list[ModelCase]:
                                                                       args.compile, args.provider):
         ctx = context or ModelConfig.from_name(preset).context_length
         attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
-        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention))
+        policy = args.checkpoint if provider == "ours" else "none"
+        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention, policy))
     return out
 
 
@@ -114,7 +128,7 @@ class _Harness:
         self.case, self.cfg, self.device = case, cfg, device
         torch.manual_seed(0)
         if case.provider == "ours":
-            self.model = cfg.build(device=device)
+            self.model = apply_checkpointing(cfg.build(device=device), case.checkpoint)
             self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
         else:
             with torch.device(device):
@@ -308,7 +322,7 @@ def _print_table(store: ResultStore, args) -> None:
     frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
-    index = ["preset", "context", "dtype", "compile", "provider", "attention", "mode"]
+    index = ["preset", "context", "dtype", "compile", "provider", "attention", "checkpoint", "mode"]
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]
     if not spread.empty:

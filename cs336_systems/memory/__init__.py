@@ -1,2 +1,3 @@
-"""Where memory goes: saved-tensor accounting (saved_tensors), and, to come, checkpointing
-policies and the analytic memory model."""
+"""Where memory goes: saved-tensor accounting (saved_tensors), bytes a forward leaves alive
+(live_bytes), and activation-checkpointing policies applied from outside (checkpointing).
+The analytic memory model and the `cs336-bench memory` suite are still to come."""

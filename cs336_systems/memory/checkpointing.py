@@ -1,0 +1,113 @@
+"""Activation-checkpointing policies, applied to a built model from outside.
+
+The model knows nothing of them: `apply_checkpointing(model, "every-k:4")` replaces the
+forward of the model's block list (`model.layers`) by a checkpointed schedule. All use
+torch.utils.checkpoint in its non-reentrant form (it composes with torch.compile, with our
+FlashAttention Function and with our FSDP, whose recomputed layers are gathered once).
+
+Policies, for N blocks with activations A per block and boundary tensors b per block:
+* none: keep everything (N x A).
+* every-block: checkpoint each block: N boundaries are kept, one block is recomputed at a time
+  (N x b + A), one extra forward.
+* every-k:K: groups of K blocks (N/K boundaries + K x A), one extra forward.
+* sqrt: K = round(sqrt(N)), the classic balance of the two terms.
+* nested: recursive halving: checkpoint the first half, recurse into the second; recomputing a
+  half re-applies the same scheme. O(log N) live boundaries and O(N log N) block forwards.
+* ffn: only each block's SwiGLU is checkpointed (attention activations kept).
+* attn: only each block's attention is checkpointed (FFN activations kept).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+POLICIES = ("none", "every-block", "every-k:K", "sqrt", "nested", "ffn", "attn")
+
+
+def parse_policy(policy: str) -> tuple[str, int | None]:
+    """'every-k:4' -> ('every-k', 4); validates the name and K."""
+    name, _, arg = policy.partition(":")
+    if name == "every-k":
+        if not arg.isdigit() or int(arg) < 1:
+            raise ValueError(f"checkpoint policy every-k needs a positive group size, e.g. every-k:4; got {policy!r}")
+        return name, int(arg)
+    if name not in POLICIES or arg:
+        raise ValueError(f"unknown checkpoint policy {policy!r}; valid: {', '.join(POLICIES)}")
+    return name, None
+
+
+def _run(blocks, x):
+    for block in blocks:
+        x = type(block).forward(block, x)  # the block's own forward (its instance forward may be replaced)
+    return x
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _nested(blocks, x):
+    if len(blocks) <= 1:
+        return _run(blocks, x)
+    mid = len(blocks) // 2
+    x = _checkpointed(_nested, blocks[:mid], x)
+    return _nested(blocks[mid:], x)
+
+
+def group_size(policy: str, num_blocks: int) -> int | None:
+    """Blocks per checkpointed group for the single-level policies (None otherwise)."""
+    name, k = parse_policy(policy)
+    if name == "every-block":
+        return 1
+    if name == "every-k":
+        return min(k, num_blocks)
+    if name == "sqrt":
+        return max(1, round(math.sqrt(num_blocks)))
+    return None
+
+
+def _checkpointed_forward(own_forward):
+    def forward(self, x):
+        return _checkpointed(own_forward, self, x)
+    return forward
+
+
+def _passthrough(x):
+    return x
+
+
+def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
+    """Install `policy` on `model.layers` (an nn.ModuleList of blocks); returns the model.
+
+    The model's own loop still calls every block in order: the first block of each group runs
+    the whole group under one checkpoint, the others pass their input through. Names, state
+    dict and parameters are untouched.
+    """
+    name, _ = parse_policy(policy)
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"apply_checkpointing: model needs an nn.ModuleList `layers`, got {type(blocks).__name__}")
+    blocks = list(blocks)
+    if name == "none":
+        return model
+    if name in ("ffn", "attn"):
+        for block in blocks:
+            part = block.ffn if name == "ffn" else block.attn
+            part.forward = types.MethodType(_checkpointed_forward(type(part).forward), part)
+        return model
+    if name == "nested":
+        groups = [blocks]
+        runner = _nested
+    else:
+        k = group_size(policy, len(blocks))
+        groups = [blocks[i:i + k] for i in range(0, len(blocks), k)]
+        runner = lambda group, x: _checkpointed(_run, group, x)  # noqa: E731
+    for group in groups:
+        group[0].forward = lambda x, group=group: runner(group, x)
+        for block in group[1:]:
+            block.forward = _passthrough
+    return model

@@ -45,3 +45,16 @@ def test_block_accounting_scales_with_batch_and_excludes_parameters():
             m.startswith("layers.0") for m in log.frame()["module"])
     # Linear in the batch: per-sample activations plus a batch-independent part (the causal mask, RoPE tables).
     assert totals[2] - totals[1] == totals[1] - totals[0] > 0
+
+
+def test_memory_saved_cli_rmsnorm_by_hand(tmp_path, capsys):
+    from cs336_systems.bench.cli import main
+    from cs336_systems.bench.results import load_rows
+
+    main(["memory", "saved", "--preset", "tiny", "--context", "16", "--batch", "2", "--rmsnorm", "--device", "cpu",
+          "--results-dir", str(tmp_path)])
+    total = next(r for r in load_rows(tmp_path / "memory.jsonl") if r["config"]["what"] == "total")
+    assert total["median"] * 2**30 == 2 * 2 * 16 * 64 * 4 + 2 * 16 * 4
+    main(["memory", "saved", "--preset", "tiny", "--context", "16", "--block", "--device", "cpu",
+          "--results-dir", str(tmp_path)])
+    assert "top operations" in capsys.readouterr().out

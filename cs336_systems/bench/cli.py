@@ -6,7 +6,14 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from cs336_systems.bench import attention_suite, collectives_suite, model_suite, parallel_suites, precision_suite
+from cs336_systems.bench import (
+    attention_suite,
+    collectives_suite,
+    memory_suite,
+    model_suite,
+    parallel_suites,
+    precision_suite,
+)
 
 SUITES = {
     "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
@@ -19,6 +26,7 @@ SUITES = {
                  "memory and step time with and without ZeRO-1 optimizer sharding"),
     "fsdp": (SimpleNamespace(add_arguments=parallel_suites.add_fsdp_arguments, run=parallel_suites.run_fsdp,
                              __doc__=parallel_suites.__doc__), "our FSDP vs DDP and torch FSDP2"),
+    "memory": (memory_suite, "saved-tensor accounting by module and op"),
     "precision": (precision_suite, "the handout's accumulation loops and autocast dtypes, computed"),
 }
 

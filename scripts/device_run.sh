@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, attention, attention-full, model, model-compiled, model-triton, profile.
+# Stages: env, tests, tests-fp32, attention, attention-full, model, model-compiled, model-triton, profile,
+# leaderboard.
 # The machine has no package registry, so the package runs from the checkout (PYTHONPATH) on the
 # image's torch/Triton. The tree travels without .git: pass the commit in, e.g.
 #   CS336_GIT_COMMIT=$(git rev-parse --short=12 HEAD)   (computed here, written into the run command)
@@ -51,6 +52,13 @@ run_stage() {
     model-triton)
       python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --compile off,on \
         --attention triton --mode train-step --no-progress --results-dir "$R" 2>&1 | tail -20
+      ;;
+    leaderboard)
+      python3 -m cs336_systems.bench leaderboard --preset tiny --context 256 --verify --param-dtype bf16 \
+        --warmup-ms 50 --rep-ms 100 --no-progress --results-dir "$R" 2>&1 | tail -3
+      python3 -m cs336_systems.bench leaderboard --preset xl --context 8192 --warmup-ms 1000 --rep-ms 3000 \
+        --results-dir "$R" 2>&1 | tail -12
+      python3 -m cs336_systems.bench leaderboard --warmup-ms 2000 --rep-ms 6000 --results-dir "$R" 2>&1 | tail -12
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \

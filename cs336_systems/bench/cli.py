@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from cs336_systems.bench import (
     attention_suite,
     collectives_suite,
+    leaderboard_suite,
     memory_suite,
     model_suite,
     parallel_suites,
@@ -26,6 +27,7 @@ SUITES = {
                  "memory and step time with and without ZeRO-1 optimizer sharding"),
     "fsdp": (SimpleNamespace(add_arguments=parallel_suites.add_fsdp_arguments, run=parallel_suites.run_fsdp,
                              __doc__=parallel_suites.__doc__), "our FSDP vs DDP and torch FSDP2"),
+    "leaderboard": (leaderboard_suite, "the full 8B training step with our kernels (and --verify)"),
     "memory": (memory_suite, "saved-tensor accounting by module and op"),
     "precision": (precision_suite, "the handout's accumulation loops and autocast dtypes, computed"),
 }

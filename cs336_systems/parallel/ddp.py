@@ -50,6 +50,19 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
                 t.copy_(value)
 
 
+def average_coalesced(tensors: list[torch.Tensor]) -> None:
+    """In place: each tensor becomes its mean over ranks, with one all-reduce per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        comm.all_reduce(flat)
+        flat.div_(comm.world_size())
+        for t, value in zip(group, _unflatten_dense_tensors(flat, group)):
+            t.copy_(value)
+
+
 class DataParallel(nn.Module, abc.ABC):
     """The shared base: broadcast at construction, forward, no_sync, and the sync protocol."""
 
@@ -95,16 +108,7 @@ class NaiveDDP(DataParallel):
 
 class FlatDDP(DataParallel):
     def _synchronize(self) -> None:
-        grads = [p.grad for p in self._params if p.grad is not None]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for group in by_dtype.values():
-            flat = _flatten_dense_tensors(group)
-            comm.all_reduce(flat)
-            flat.div_(self.world_size)
-            for g, value in zip(group, _unflatten_dense_tensors(flat, group)):
-                g.copy_(value)
+        average_coalesced([p.grad for p in self._params if p.grad is not None])
 
 
 class OverlapDDP(DataParallel):

@@ -41,11 +41,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from einops import einsum
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cs336_basics.model import Embedding, Linear
 from cs336_systems.parallel import comm
-from cs336_systems.parallel.ddp import broadcast_from_rank0
+from cs336_systems.parallel.ddp import average_coalesced, broadcast_from_rank0
 
 
 def _in_backward() -> bool:
@@ -236,15 +235,7 @@ class FSDP(nn.Module):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.world_size > 1 and replicated and not self.exact_gradients:
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for p in replicated:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-            for grads in by_dtype.values():
-                flat = _flatten_dense_tensors(grads)
-                comm.all_reduce(flat)
-                flat.div_(self.world_size)
-                for g, value in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                    g.copy_(value)
+            average_coalesced([p.grad for p in replicated])
 
     # ---- exact mode for replicated modules ----
     def _record_replicated(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:

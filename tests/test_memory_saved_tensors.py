@@ -58,3 +58,19 @@ def test_memory_saved_cli_rmsnorm_by_hand(tmp_path, capsys):
     main(["memory", "saved", "--preset", "tiny", "--context", "16", "--block", "--device", "cpu",
           "--results-dir", str(tmp_path)])
     assert "top operations" in capsys.readouterr().out
+
+
+def test_memory_search_cli_on_cpu(tmp_path, capsys):
+    from cs336_systems.bench.cli import main
+    from cs336_systems.bench.memory_suite import _candidate_group_sizes
+    from cs336_systems.bench.results import load_rows
+
+    assert _candidate_group_sizes(32) == [1, 2, 4, 5, 6, 7, 8, 16, 32]
+    main(["memory", "search", "--preset", "tiny", "--context", "32", "--batch", "2", "--device", "cpu",
+          "--results-dir", str(tmp_path)])
+    rows = load_rows(tmp_path / "memory.jsonl")
+    peaks = {r["config"]["policy"]: r["median"] for r in rows if r["metric"] == "peak_memory"}
+    assert set(peaks) == {"none", "every-k:1", "every-k:2", "nested"}
+    assert peaks["every-k:1"] < peaks["none"]
+    assert {r["config"]["policy"] for r in rows if r["metric"] == "predicted_peak_memory"} == set(peaks)
+    assert "lowest measured peak" in capsys.readouterr().out

@@ -21,7 +21,9 @@ from cs336_systems.memory.saved_tensors import SavedTensorLog
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("action", choices=["saved"], help="saved: saved-tensor accounting of one forward")
+    parser.add_argument("action", choices=["saved", "search"],
+                        help="saved: saved-tensor accounting of one forward; search: single-level checkpointing "
+                             "over group sizes k, measured peak and step time beside the memory model")
     parser.add_argument("--preset", choices=preset_names(), default="tiny")
     parser.add_argument("--context", type=positive_int("--context"), default=None)
     parser.add_argument("--batch", type=positive_int("--batch"), default=4)
@@ -35,6 +37,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.action == "search":
+        return search(args)
     device = args.device
     cfg = ModelConfig.from_name(args.preset)
     context = args.context or cfg.context_length
@@ -76,6 +80,97 @@ def run(args) -> int:
     print("\ntop operations\n" + format_table(summary["top_ops"].assign(GiB=summary["top_ops"]["bytes"] / 2**30)
                                              .drop(columns="bytes").round(4), fmt))
     print(f"\nrows appended to {store.path}")
+    return 0
+
+
+def _candidate_group_sizes(n: int) -> list[int]:
+    """Powers of two up to n, n itself and round(sqrt(n)) with its neighbours."""
+    ks = {1, n, max(1, round(n ** 0.5))}
+    k = 2
+    while k < n:
+        ks.add(k)
+        k *= 2
+    root = round(n ** 0.5)
+    ks.update(x for x in (root - 1, root + 1) if 1 <= x <= n)
+    return sorted(ks)
+
+
+def _measure_policy(cfg, policy, args, device):
+    """(peak bytes, median step seconds) of a train step under `policy`; CPU peak = retained bytes + state."""
+    from cs336_basics.nn_utils import cross_entropy
+    from cs336_basics.optimizer import AdamW
+    from cs336_systems.memory.checkpointing import apply_checkpointing
+    from cs336_systems.memory.live_bytes import retained_bytes
+    from cs336_systems.profiling.timing import time_fn
+
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    model = apply_checkpointing(cfg.build(device=device), policy)
+    opt = AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context_length), device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with autocast_context(device, args.dtype):
+            logits = model(x)
+        cross_entropy(logits.float(), x).backward()
+        opt.step()
+
+    step()  # optimizer state exists from here on, as in steady training
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timing = time_fn(step, warmup=1, steps=3, device=device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        opt.zero_grad(set_to_none=True)
+        _, held = retained_bytes(lambda: cross_entropy(model(x), x))
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        peak = held + 4 * params  # parameters, gradients, two AdamW moments
+    return peak, timing.median
+
+
+def search(args) -> int:
+    from cs336_systems.memory.model import predict
+
+    device = args.device
+    cfg = ModelConfig.from_name(args.preset, context_length=args.context or ModelConfig.from_name(
+        args.preset).context_length)
+    store = ResultStore("memory", device, args.results_dir)
+    rows = []
+    for policy in ["none"] + [f"every-k:{k}" for k in _candidate_group_sizes(cfg.num_layers)] + ["nested"]:
+        config = dict(preset=args.preset, context=cfg.context_length, batch=args.batch, dtype=args.dtype,
+                      policy=policy)
+        predicted = predict(cfg, args.batch, cfg.context_length, policy=policy).peak if args.dtype == "fp32" else None
+        try:
+            peak, seconds = _measure_policy(cfg, policy, args, device)
+        except Exception as error:  # out of memory is a result, and the search goes on
+            status = "oom" if "out of memory" in str(error).lower() else "error"
+            store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=status,
+                      message=str(error).splitlines()[0][:300])
+            rows.append(dict(policy=policy, peak_GiB=status, predicted_GiB=predicted and predicted / 2**30,
+                             step_ms=None))
+            continue
+        store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", value=peak / 2**30)
+        store.add(provider="ours", config=config, metric="step_time", unit="ms", value=seconds * 1e3)
+        if predicted is not None:
+            store.add(provider="ours", config=config, metric="predicted_peak_memory", unit="GiB",
+                      value=predicted / 2**30)
+        rows.append(dict(policy=policy, peak_GiB=round(peak / 2**30, 4),
+                         predicted_GiB=None if predicted is None else round(predicted / 2**30, 4),
+                         step_ms=round(seconds * 1e3, 2)))
+    import pandas as pd
+
+    table = pd.DataFrame(rows)
+    print(format_table(table, "latex" if args.latex else "markdown"))
+    measured = [r for r in rows if isinstance(r["peak_GiB"], float) and r["policy"].startswith("every-k")]
+    if measured:
+        best = min(measured, key=lambda r: r["peak_GiB"])
+        print(f"\nlowest measured peak of one checkpointing level: {best['policy']} ({best['peak_GiB']} GiB, "
+              f"{best['step_ms']} ms/step); fewer groups keep more activations live during recompute, more groups "
+              f"keep more boundaries")
+    print(f"rows appended to {store.path}")
     return 0
 
 

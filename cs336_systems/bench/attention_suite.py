@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -237,10 +237,8 @@ def _measure(p: str, fn, q, k, v, grad_out, args):
     return timing, memory
 
 
-def speedups(frame, ours: str = "triton") -> pandas.DataFrame:  # noqa: F821
+def speedups(frame: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:
     """Per shape and pass: our median time and each baseline's, and baseline_time / our_time."""
-    import pandas as pd
-
     if frame.empty:
         return frame
     times = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
@@ -272,5 +270,3 @@ def _print_table(store: ResultStore, args) -> None:
         print(format_table(ratio[cols].round(3), fmt))
     print(f"\nrows appended to {store.path}")
 
-
-__all__ = ["SWEEPS", "cases", "run", "speedups", "math"]

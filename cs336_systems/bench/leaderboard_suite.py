@@ -88,7 +88,7 @@ def _build(cfg, device, dtype, policy):
     return apply_checkpointing(model, policy)
 
 
-def _optimizer(kind: str, model, device):
+def _optimizer(kind: str, model):
     if kind == "fused":
         from cs336_systems.kernels.adamw import FusedAdamW
 
@@ -174,7 +174,7 @@ def run(args) -> int:
     if on_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     model = _build(cfg, device, dtype, policy)
-    optimizer = _optimizer(optimizer_kind, model, device)
+    optimizer = _optimizer(optimizer_kind, model)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     ranges = PhaseRanges(device, time=True)

@@ -57,7 +57,7 @@ class ModelCase:
     checkpoint: str = "none"
 
     def model_config(self, overrides: dict) -> ModelConfig:
-        return ModelConfig.from_name(self.preset, context_length=max(self.context, 1), **overrides)
+        return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ The tensors themselves are returned to autograd unchanged: this measures, it doe
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import pandas as pd
@@ -110,10 +109,3 @@ class SavedTensorLog:
         total = int(frame["bytes"].sum())
         ops["share"] = ops["bytes"] / total if total else 0.0
         return {"total_bytes": total, "per_module": per_module, "top_ops": ops}
-
-
-def saved_bytes_by_module(records: list[SavedRecord]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for r in records:
-        out[r.module] += r.bytes
-    return dict(out)

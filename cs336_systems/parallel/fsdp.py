@@ -83,7 +83,6 @@ def _gather_batch(x: torch.Tensor) -> torch.Tensor:
 class _ShardedWeight:
     """One sharded weight and its gather/reduce state."""
 
-    index: int
     name: str
     module: nn.Module
     full_shape: tuple[int, ...]
@@ -133,7 +132,7 @@ class FSDP(nn.Module):
         shard = nn.Parameter(padded[self.rank * per_rank:(self.rank + 1) * per_rank].clone(),
                              requires_grad=sub.weight.requires_grad)
         sub.weight = shard  # same module object, same name: the shard is now `weight`
-        unit = _ShardedWeight(len(self._units), f"{name}.weight" if name else "weight", sub, tuple(full.shape),
+        unit = _ShardedWeight(f"{name}.weight" if name else "weight", sub, tuple(full.shape),
                               per_rank)
         self._units.append(unit)
         self._unit_of[id(sub)] = unit
@@ -142,6 +141,7 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         if self._order and not self._order_known:
             self._order_known = True
+            self._position = {id(u): i for i, u in enumerate(self._order)}
         return self.module(*args, **kwargs)
 
     # ---- gathering ----
@@ -170,7 +170,7 @@ class FSDP(nn.Module):
     def _neighbour(self, unit: _ShardedWeight, step: int) -> _ShardedWeight | None:
         if not self._order_known:
             return None
-        position = self._order.index(unit) + step
+        position = self._position[id(unit)] + step
         return self._order[position] if 0 <= position < len(self._order) else None
 
     def acquire(self, unit: _ShardedWeight, backward: bool, prefetch: bool = True) -> torch.Tensor:

@@ -101,9 +101,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     for p, value in zip(group, _unflatten_dense_tensors(flat, group)):
                         p.copy_(value)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)  # every parameter, owned or not
-
     # ---- checkpoints ----
     def state_dict(self) -> dict:
         """This rank's shard: the inner optimizer's state, plus what is needed to check a reload."""

@@ -31,3 +31,49 @@ def test_verify_catches_a_wrong_step(tmp_path, monkeypatch):
 def test_bad_checkpoint_policy(tmp_path):
     with pytest.raises(SystemExit, match="--checkpoint"):
         main([*TINY, "--checkpoint", "sometimes", "--results-dir", str(tmp_path)])
+
+
+def test_baseline_beside_ours_in_one_run(tmp_path, capsys):
+    assert main([*TINY, "--provider", "ours,baseline", "--results-dir", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path / "leaderboard.jsonl")
+    steps = {r["provider"]: r for r in rows if r["metric"] == "step_time"}
+    assert set(steps) == {"ours", "baseline"}
+    assert steps["baseline"]["config"]["checkpoint"] == "every-block"
+    ratio = [r for r in rows if r["metric"] == "speedup_vs_baseline"][0]["median"]
+    assert abs(ratio - steps["baseline"]["median"] / steps["ours"]["median"]) < 1e-9
+    assert any(r["metric"] == "command_wall_time" for r in rows)
+    assert "vs baseline" in capsys.readouterr().out
+
+
+def test_fused_kernels_verify_under_the_interpreter(tmp_path):
+    from tests._support import kernel_device
+
+    kernel_device()
+    assert main([*TINY, "--verify", "--fused", "on", "--provider", "ours", "--results-dir", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path / "leaderboard.jsonl")
+    assert all(r["config"]["fused"] for r in rows if r["provider"] == "ours")
+
+
+def test_policy_ladder_follows_the_memory_model(monkeypatch):
+    import torch
+
+    from cs336_systems.bench.leaderboard_suite import policy_candidates
+    from cs336_systems.config import ModelConfig
+    from cs336_systems.memory.model import predict
+
+    cfg = ModelConfig.from_name("leaderboard-8b")
+    kw = dict(attention="flash", dtype="bf16", fused=True, loss="fused", state_dtype="bf16")
+    need = {m: predict(cfg, 1, 32768, policy=f"partial:{m}", **kw).peak for m in (20, 21)}
+    free = (need[20] + need[21]) / 2 / 0.92  # partial:21 fits, partial:20 does not
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(2 * free)))
+    ladder = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
+                               attention="triton", fused=True, chunk_tokens=4096)
+    assert ladder[0] == "partial:21" and ladder[-2:] == ["every-block", "nested"]
+    assert policy_candidates(cfg, 1, 32768, torch.device("cpu"), dtype="bf16", state_dtype="bf16",
+                             attention="triton", fused=True, chunk_tokens=4096) == ["none"]
+
+
+def test_unknown_provider_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--provider", "ours,ddp"])
+    assert "--provider" in capsys.readouterr().err

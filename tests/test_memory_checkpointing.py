@@ -8,7 +8,7 @@ from cs336_systems.config import ModelConfig
 from cs336_systems.memory.checkpointing import apply_checkpointing, group_size, parse_policy
 from cs336_systems.memory.live_bytes import retained_bytes
 
-POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "sqrt", "nested", "ffn", "attn"]
+POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "partial:2", "partial:9", "sqrt", "nested", "ffn", "attn"]
 
 
 def _grads(policy, layers=5):
@@ -52,8 +52,18 @@ def test_every_block_keeps_only_boundaries():
     assert _retained("every-block", 8) < _retained("none", 8) / 4
 
 
+def test_partial_keeps_the_unchecked_blocks_whole():
+    none, every = _retained("none", 8), _retained("every-block", 8)
+    half = _retained("partial:4", 8)
+    assert every < half < none
+    assert abs(half - (none + every) / 2) < 0.1 * none  # half the blocks whole, half as boundaries
+
+
 def test_policy_parsing():
     assert parse_policy("every-k:4") == ("every-k", 4)
+    assert parse_policy("partial:0") == ("partial", 0)
+    with pytest.raises(ValueError, match="block count"):
+        parse_policy("partial:x")
     assert group_size("sqrt", 32) == 6 and group_size("every-k:64", 32) == 32 and group_size("nested", 8) is None
     with pytest.raises(ValueError, match="unknown checkpoint policy 'all'; valid: none, every-block"):
         parse_policy("all")

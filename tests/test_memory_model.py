@@ -13,16 +13,34 @@ from cs336_systems.memory.saved_tensors import SavedTensorLog
 SHAPES = [(64, 4, 192, 128, 4), (32, 2, 80, 40, 3), (48, 6, 100, 17, 2)]  # d, heads, d_ff, seq, batch
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("attention", ["reference", "pytorch-flash"])
 @pytest.mark.parametrize("d,h,f,s,b", SHAPES)
-def test_block_activations_exact(d, h, f, s, b, attention):
+def test_block_activations_exact(d, h, f, s, b, attention, dtype):
     cfg = ModelConfig(vocab_size=10, context_length=s, d_model=d, num_layers=1, num_heads=h, d_ff=f)
-    block = TransformerBlock(d, h, f, RotaryEmbedding(s, d // h))
-    x = torch.randn(b, s, d, requires_grad=True)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    block = TransformerBlock(d, h, f, RotaryEmbedding(s, d // h)).to(torch_dtype)
+    x = torch.randn(b, s, d, requires_grad=True, dtype=torch_dtype)
     with use_attention(attention), SavedTensorLog(block) as log:
         block(x)
     kind = "reference" if attention == "reference" else "flash"
-    assert log.total_bytes == block_activation_bytes(cfg, b, s, kind)
+    assert log.total_bytes == block_activation_bytes(cfg, b, s, kind, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("d,h,f,s,b", SHAPES[:2])
+def test_fused_block_activations_exact(d, h, f, s, b, dtype):
+    from cs336_systems.fused_model import apply_fused_kernels
+    from tests._support import kernel_device
+
+    device = kernel_device()
+    cfg = ModelConfig(vocab_size=10, context_length=s, d_model=d, num_layers=1, num_heads=h, d_ff=f)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    block = apply_fused_kernels(TransformerBlock(d, h, f, RotaryEmbedding(s, d // h)).to(device, torch_dtype))
+    x = torch.randn(b, s, d, requires_grad=True, dtype=torch_dtype, device=device)
+    with use_attention("pytorch-flash"), SavedTensorLog(block) as log:
+        block(x)
+    assert log.total_bytes == block_activation_bytes(cfg, b, s, "flash", dtype, fused=True)
 
 
 def test_whole_model_activations_exact():
@@ -45,5 +63,34 @@ def test_prediction_parts_and_policies():
     nested = activation_bytes(cfg, 4, 2048, "nested")
     assert nested < every < none
     assert activation_bytes(cfg, 4, 2048, "none", "flash") < none / 3  # the s^2 terms dominate at 2048
-    with pytest.raises(ValueError, match="only fp32"):
-        predict(cfg, 4, 2048, dtype="bf16")
+    with pytest.raises(ValueError, match="autocast over fp32 parameters is not modelled"):
+        predict(cfg, 4, 2048, dtype="bf16", autocast=True)
+    partial = [activation_bytes(cfg, 4, 2048, f"partial:{m}") for m in (0, 16, 32)]
+    assert partial[0] == none and partial[2] == every and every < partial[1] < none
+
+
+def test_bf16_leaderboard_prediction_parts():
+    cfg = ModelConfig.from_name("leaderboard-8b")
+    p = predict(cfg, 1, 32768, policy="every-block", attention="flash", dtype="bf16", fused=True, loss="fused")
+    n = sum(t.numel() for t in cfg.build(device="meta").parameters())
+    assert p.parameters == p.gradients == 2 * n and p.optimizer_state == 4 * n
+    fp32_state = predict(cfg, 1, 32768, policy="every-block", attention="flash", dtype="bf16", state_dtype="fp32")
+    assert fp32_state.optimizer_state == 8 * n
+    # Fused kernels keep fewer bytes per block than the eager ops.
+    assert (block_activation_bytes(cfg, 1, 32768, "flash", "bf16", fused=True)
+            < 0.7 * block_activation_bytes(cfg, 1, 32768, "flash", "bf16"))
+
+
+def test_peak_walk_places_the_worst_point():
+    cfg = ModelConfig.from_name("xl", context_length=512)
+    none = predict(cfg, 4, 512)
+    every = predict(cfg, 4, 512, policy="every-block")
+    # Without checkpointing the worst point is the start of backward: every activation, the logits,
+    # and only the LM head's gradient.
+    lm_head_grad = (cfg.vocab_size + 1) * cfg.d_model * 4
+    assert none.peak == (none.parameters + none.optimizer_state + none.activations + none.logits + lm_head_grad)
+    # With every block checkpointed it is near the end: (almost) every gradient exists.
+    assert every.peak > every.parameters + every.optimizer_state + 0.9 * every.gradients
+    for p in (none, every, predict(cfg, 4, 512, policy="every-k:4"), predict(cfg, 4, 512, policy="nested")):
+        assert p.peak <= p.sum_of_parts
+    assert predict(cfg, 4, 512, policy="nested").peak == predict(cfg, 4, 512, policy="nested").sum_of_parts

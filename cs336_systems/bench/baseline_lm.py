@@ -4,6 +4,10 @@ Same shapes as BasicsTransformerLM (pre-norm RMSNorm, RoPE on interleaved pairs,
 untied head) but with torch's fused building blocks: one QKV matmul, `F.rms_norm`,
 `F.scaled_dot_product_attention(is_causal=True)`; trained with torch's fused AdamW. It
 lives in bench/ because it is only ever a baseline.
+
+For the leaderboard baseline (as `../shared/baselines/ref_lm.py leader`): `checkpoint_blocks=True`
+checkpoints every block, and `chunked_cross_entropy` computes the loss over the LM head in
+sequence chunks, each recomputed in backward, so the (tokens, vocab) logits never exist whole.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from cs336_systems.config import ModelConfig
 
@@ -51,8 +56,9 @@ class _Block(nn.Module):
 
 
 class BaselineLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, checkpoint_blocks: bool = False):
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks
         self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
         self.ln = _RMSNorm(cfg.d_model)
@@ -62,13 +68,31 @@ class BaselineLM(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, idx):
+    def hidden(self, idx):
+        """idx (batch, seq) -> final-norm output (batch, seq, d_model), the LM head's input."""
         s = idx.shape[1]
         cos, sin = self.cos[:s], self.sin[:s]
         x = self.emb(idx)
         for block in self.blocks:
-            x = block(x, cos, sin)
-        return self.head(self.ln(x))
+            x = checkpoint(block, x, cos, sin, use_reentrant=False) if self.checkpoint_blocks else block(x, cos, sin)
+        return self.ln(x)
+
+    def forward(self, idx):
+        return self.head(self.hidden(idx))
+
+
+def chunked_cross_entropy(model: BaselineLM, hidden: torch.Tensor, targets: torch.Tensor,
+                          chunk: int = 4096) -> torch.Tensor:
+    """Mean cross-entropy of model.head(hidden) in sequence chunks of `chunk`, each chunk's logits
+    recomputed in backward. hidden (batch, seq, d), targets (batch, seq)."""
+    def piece(h, t):
+        return F.cross_entropy(model.head(h).float().flatten(0, 1), t.flatten(), reduction="sum")
+
+    total = 0.0
+    for start in range(0, hidden.shape[1], chunk):
+        total = total + checkpoint(piece, hidden[:, start:start + chunk], targets[:, start:start + chunk],
+                                   use_reentrant=False)
+    return total / targets.numel()
 
 
 def baseline_optimizer(model: nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -1,12 +1,20 @@
 """The `leaderboard` suite: the fastest full training step (zero_grad, forward, loss, backward,
 AdamW step) of the leaderboard model, with our kernels only, beside the PyTorch-native baseline.
 
-Our step: BasicsTransformerLM (its parameters in --param-dtype), our attention (--attention,
-Triton FlashAttention-2 on CUDA), the fused LM-head cross-entropy (no (tokens, vocab) logits),
-our fused AdamW (Triton) and an activation-checkpointing policy (--checkpoint; `auto` takes the
-cheapest that the analytic memory model says fits). Timed like the official harness with
-triton.testing.do_bench (--warmup-ms / --rep-ms; the official harness uses 10000 / 30000) on
-CUDA, with the timing helper on CPU; a per-phase breakdown comes from CUDA events.
+Our step (provider `ours`): BasicsTransformerLM with its parameters in --param-dtype, our attention
+(--attention, Triton FlashAttention-2 on CUDA), our fused RMSNorm and SwiGLU gate (--fused), the
+fused LM-head cross-entropy (no (tokens, vocab) logits), our fused AdamW (Triton, state in
+--state-dtype) and an activation-checkpointing policy (--checkpoint; `auto` takes the least
+recompute that the analytic memory model says fits, and moves to more checkpointing if the
+device still runs out of memory). The baseline (provider `baseline`, as ../shared/baselines/
+ref_lm.py): a PyTorch-native LM of the same shape with cuDNN/flash SDPA, every block
+checkpointed, chunked cross-entropy and torch's fused AdamW, parameters and state in the same dtype.
+
+Timed like the official harness with triton.testing.do_bench (--warmup-ms / --rep-ms; the
+official harness uses 10000 / 30000) on CUDA, with the timing helper on CPU; a per-phase
+breakdown comes from CUDA events over three more steps. `command_wall_time` is the whole run
+of the suite from its start (model builds, Triton autotuning and compiles included): from an
+empty cache it is the cold-start time.
 
 `--verify` checks, on the configuration given (use a small one), that our step's loss and
 gradients agree with the plain cs336_basics model step (reference attention, cross_entropy on
@@ -20,58 +28,70 @@ logits): the error against an fp64 run may be at most 2x that of the plain step 
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 
 import torch
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import attention_names, use_attention
-from cs336_systems.bench.common import DTYPES, add_common_arguments, positive_int
-from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.bench.common import DTYPES, add_common_arguments, is_oom, list_of, positive_int
+from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.memory.checkpointing import apply_checkpointing, parse_policy
-from cs336_systems.memory.model import activation_bytes
+from cs336_systems.memory.model import predict
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges
 from cs336_systems.profiling.timing import bench_kernel
 
-AUTO_CANDIDATES = ("none", "every-k:4", "every-k:2", "every-block", "nested")
+PROVIDERS = ("ours", "baseline")
+FIT_FRACTION = 0.92  # of the free memory at start: the allocator's fragmentation and the CUDA context need the rest
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--preset", choices=preset_names(), default="leaderboard-8b")
     parser.add_argument("--context", type=positive_int("--context"), default=None, help="default: the preset's")
     parser.add_argument("--batch", type=positive_int("--batch"), default=1, help="sequences per step (default 1)")
+    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=["ours", "baseline"],
+                        help="comma-separated: ours, baseline (default both, baseline measured in the same run)")
     parser.add_argument("--param-dtype", choices=list(DTYPES), default=None,
-                        help="parameters, gradients and optimizer state (default bf16 on CUDA, fp32 on CPU)")
+                        help="parameters and gradients (default bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default=None,
+                        help="AdamW moments (default: the parameter dtype, as the baseline keeps them)")
     parser.add_argument("--attention", choices=attention_names(), default=None,
                         help="default: triton on CUDA, pytorch-flash on CPU")
-    parser.add_argument("--checkpoint", default="auto", help="auto, or a policy: none, every-block, every-k:K, ...")
+    parser.add_argument("--fused", choices=["on", "off"], default=None,
+                        help="our Triton RMSNorm and SwiGLU gate (default on for CUDA, off on CPU)")
+    parser.add_argument("--checkpoint", default="auto",
+                        help="auto, or a policy: none, every-block, every-k:K, partial:M, nested, ...")
     parser.add_argument("--optimizer", choices=["fused", "cs336"], default=None,
                         help="fused (our Triton AdamW; default on CUDA) or cs336 (cs336_basics AdamW)")
     parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
-                        help="token chunk of the fused cross-entropy (default 4096)")
+                        help="token chunk of the fused cross-entropy and of the baseline's chunked loss (default 4096)")
     parser.add_argument("--warmup-ms", type=float, default=2000.0)
     parser.add_argument("--rep-ms", type=float, default=6000.0)
     parser.add_argument("--verify", action="store_true", help="check loss and gradients against the plain step")
     add_common_arguments(parser)
 
 
-def choose_policy(cfg: ModelConfig, batch: int, seq: int, device: torch.device, param_bytes_each: int,
-                  attention: str) -> str:
-    """The cheapest (least recompute) policy whose predicted peak fits in 90% of the device's free memory."""
+def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
+                      attention: str, fused: bool, chunk_tokens: int) -> list[str]:
+    """Policies from least to most recompute, starting at the first the memory model says fits in
+    FIT_FRACTION of the free memory: none, partial:1 .. partial:N-1, every-block, nested."""
+    n = cfg.num_layers
+    ladder = ["none"] + [f"partial:{m}" for m in range(1, n)] + ["every-block", "nested"]
     if device.type != "cuda":
-        return "none"
+        return ladder[:1]
     free, _ = torch.cuda.mem_get_info(device)
-    n_params = sum(p.numel() for p in cfg.build(device="meta").parameters())
-    fixed = n_params * param_bytes_each * 4  # parameters, gradients, two optimizer states
-    scale = param_bytes_each / 4  # activations follow the compute dtype: the fp32 model, scaled
     kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
-    for policy in AUTO_CANDIDATES:
-        if fixed + scale * activation_bytes(cfg, batch, seq, policy, kind) < 0.9 * free:
-            return policy
-    return "nested"
+    for i, policy in enumerate(ladder):
+        p = predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
+                    chunk_tokens=chunk_tokens, state_dtype=state_dtype)
+        if p.peak < FIT_FRACTION * free:
+            return ladder[i:]
+    return ladder[-1:]
 
 
 def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -82,27 +102,31 @@ def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
     return model.ln_final(h)
 
 
-def _build(cfg, device, dtype, policy):
+def _build(cfg, device, dtype, policy, fused):
     torch.manual_seed(0)
     model = cfg.build(device=device, dtype=dtype)
+    if fused:
+        from cs336_systems.fused_model import apply_fused_kernels
+
+        apply_fused_kernels(model)
     return apply_checkpointing(model, policy)
 
 
-def _optimizer(kind: str, model):
+def _optimizer(kind: str, model, state_dtype: torch.dtype):
     if kind == "fused":
         from cs336_systems.kernels.adamw import FusedAdamW
 
-        return FusedAdamW(model.parameters(), lr=1e-4, maths="torch")
+        return FusedAdamW(model.parameters(), lr=1e-4, maths="torch", state_dtype=state_dtype)
     return AdamW(model.parameters(), lr=1e-4)
 
 
-def _our_step(model, optimizer, tokens, targets, phase, chunk_tokens):
+def _training_step(optimizer, forward, loss_fn, phase):
     def step():
         optimizer.zero_grad(set_to_none=True)
         with phase("forward"):
-            h = hidden_states(model, tokens)
+            h = forward()
         with phase("loss"):
-            loss = lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=chunk_tokens)
+            loss = loss_fn(h)
         with phase("backward"):
             loss.backward()
         with phase("optimizer"):
@@ -111,14 +135,14 @@ def _our_step(model, optimizer, tokens, targets, phase, chunk_tokens):
     return step
 
 
-def verify(cfg, device, dtype, attention, policy, chunk_tokens) -> dict[str, float]:
+def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused) -> dict[str, float]:
     """Relative errors (vs an fp64 plain step) of our step and of the plain step at `dtype`."""
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=device,
                            generator=torch.Generator(device).manual_seed(3))
     targets = torch.roll(tokens, -1, dims=1)
 
     def grads_of(run_dtype, ours: bool):
-        model = _build(cfg, device, run_dtype, policy if ours else "none")
+        model = _build(cfg, device, run_dtype, policy if ours else "none", fused and ours)
         with use_attention(attention if ours else "reference"):
             if ours:
                 loss = lm_head_cross_entropy(hidden_states(model, tokens), model.lm_head.weight, targets,
@@ -140,67 +164,153 @@ def verify(cfg, device, dtype, attention, policy, chunk_tokens) -> dict[str, flo
     return out
 
 
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak) -> dict:
+    """Time one provider's step; rows for time, tokens/s, MFU, peak memory and phases. Returns a summary."""
+    seq, batch = config["context"], config["batch"]
+    _free(device)
+    ranges = PhaseRanges(device, time=True)
+    step, plain_step = build_step(ranges.phase)
+    timing = bench_kernel(plain_step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    ranges.reset()
+    for _ in range(3):
+        step()
+    phases = {name: sum(v) / len(v) * 1e3 for name, v in ranges.collect().items()}
+    flops = flops_for_mode(cfg, batch, seq, "train-step")
+    store.add(provider=provider, config=config, metric="step_time", unit="ms", stats=timing.stats())
+    store.add(provider=provider, config=config, metric="tokens_per_s", unit="tok/s", value=batch * seq / timing.median)
+    summary = dict(provider=provider, checkpoint=config["checkpoint"], step_ms=timing.median * 1e3)
+    if device.type == "cuda":
+        summary["mfu_%"] = 100 * flops / timing.median / matmul_peak
+        summary["peak_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+        store.add(provider=provider, config=config, metric="mfu", unit="%", value=summary["mfu_%"])
+        store.add(provider=provider, config=config, metric="peak_allocated", unit="GiB", value=summary["peak_GiB"])
+    for name, ms in phases.items():
+        store.add(provider=provider, config=config | {"phase": name}, metric="phase_time", unit="ms", value=ms)
+        summary[f"{name}_ms"] = ms
+    return summary
+
+
+def _ours(cfg, args, device, tokens, targets, policy, settings):
+    dtype = DTYPES[settings["param_dtype"]]
+    model = _build(cfg, device, dtype, policy, settings["fused"])
+    optimizer = _optimizer(settings["optimizer"], model, DTYPES[settings["state_dtype"]])
+
+    def loss_fn(h):
+        return lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=args.chunk_tokens)
+
+    def build(phase):
+        forward = lambda: hidden_states(model, tokens)  # noqa: E731
+        return (_training_step(optimizer, forward, loss_fn, phase),
+                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
+    return build
+
+
+def _baseline(cfg, args, device, tokens, targets, settings):
+    from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer, chunked_cross_entropy
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = BaselineLM(cfg, checkpoint_blocks=True)
+    model.to(dtype=DTYPES[settings["param_dtype"]])
+    optimizer = baseline_optimizer(model, device)
+
+    def loss_fn(h):
+        return chunked_cross_entropy(model, h, targets, args.chunk_tokens)
+
+    def build(phase):
+        forward = lambda: model.hidden(tokens)  # noqa: E731
+        return (_training_step(optimizer, forward, loss_fn, phase),
+                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
+    return build
+
+
 def run(args) -> int:
+    started = time.perf_counter()
     device: torch.device = args.device
     on_cuda = device.type == "cuda"
     dtype_name = args.param_dtype or ("bf16" if on_cuda else "fp32")
-    dtype = DTYPES[dtype_name]
+    state_name = args.state_dtype or ("fp32" if dtype_name == "fp32" else "bf16")
     attention = args.attention or ("triton" if on_cuda else "pytorch-flash")
+    fused = (args.fused or ("on" if on_cuda else "off")) == "on"
     optimizer_kind = args.optimizer or ("fused" if on_cuda else "cs336")
-    cfg = ModelConfig.from_name(args.preset)
-    seq = args.context or cfg.context_length
+    seq = args.context or ModelConfig.from_name(args.preset).context_length
     cfg = ModelConfig.from_name(args.preset, context_length=seq)
     if args.checkpoint != "auto":
         try:
             parse_policy(args.checkpoint)
         except ValueError as e:
             raise SystemExit(f"--checkpoint: {e}") from None
-    policy = args.checkpoint if args.checkpoint != "auto" else choose_policy(
-        cfg, args.batch, seq, device, torch.empty((), dtype=dtype).element_size(), attention)
+    if fused and not on_cuda:
+        from cs336_systems.kernels._triton_utils import interpreting
+
+        if not interpreting():
+            raise SystemExit("--fused on: our Triton RMSNorm/SwiGLU need CUDA (or TRITON_INTERPRET=1 on CPU)")
+    if on_cuda:
+        with contextlib.suppress(Exception):  # fewer fragmentation OOMs near the limit; absent in old torch
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    settings = dict(param_dtype=dtype_name, state_dtype=state_name, fused=fused, optimizer=optimizer_kind)
     store = ResultStore("leaderboard", device, args.results_dir)
-    config = dict(preset=args.preset, context=seq, batch=args.batch, param_dtype=dtype_name, attention=attention,
-                  checkpoint=policy, optimizer=optimizer_kind, chunk_tokens=args.chunk_tokens)
+    base_config = dict(preset=args.preset, context=seq, batch=args.batch, param_dtype=dtype_name,
+                       state_dtype=state_name, chunk_tokens=args.chunk_tokens)
+    our_config = base_config | dict(attention=attention, fused=fused, optimizer=optimizer_kind)
+    candidates = ([args.checkpoint] if args.checkpoint != "auto" else policy_candidates(
+        cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=attention, fused=fused,
+        chunk_tokens=args.chunk_tokens))
     if args.verify:
-        errors = verify(cfg, device, dtype, attention, policy, args.chunk_tokens)
+        errors = verify(cfg, device, DTYPES[dtype_name], attention, candidates[0], args.chunk_tokens, fused)
         for metric, value in errors.items():
-            store.add(provider="ours" if metric.startswith("ours") else "plain", config=config, metric=metric,
-                      unit="", value=value)
-        budget = 2 * errors["plain_grad_rel_error"] + 2 * torch.finfo(dtype).eps
+            store.add(provider="ours" if metric.startswith("ours") else "plain",
+                      config=our_config | dict(checkpoint=candidates[0]), metric=metric, unit="", value=value)
+        budget = 2 * errors["plain_grad_rel_error"] + 2 * torch.finfo(DTYPES[dtype_name]).eps
         ok = errors["ours_grad_rel_error"] <= budget
         print(f"verify: gradient relative error ours {errors['ours_grad_rel_error']:.2e}, plain "
               f"{errors['plain_grad_rel_error']:.2e} (budget {budget:.2e}): {'ok' if ok else 'FAILED'}")
         if not ok:
             raise SystemExit("leaderboard --verify: our step's gradients are outside the error budget")
-    if on_cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    model = _build(cfg, device, dtype, policy)
-    optimizer = _optimizer(optimizer_kind, model)
+    matmul_peak = measure_matmul_peak(device) if on_cuda else None
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
-    ranges = PhaseRanges(device, time=True)
-    with use_attention(attention):
-        step = _our_step(model, optimizer, tokens, targets, ranges.phase, args.chunk_tokens)
-        plain = _our_step(model, optimizer, tokens, targets, lambda name: contextlib.nullcontext(), args.chunk_tokens)
-        timing = bench_kernel(plain, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-        ranges.reset()
-        for _ in range(3):
-            step()
-    phases = {name: sum(v) / len(v) * 1e3 for name, v in ranges.collect().items()}
-    flops = flops_for_mode(cfg, args.batch, seq, "train-step")
-    store.add(provider="ours", config=config, metric="step_time", unit="ms", stats=timing.stats())
-    store.add(provider="ours", config=config, metric="tokens_per_s", unit="tok/s",
-              value=args.batch * seq / timing.median)
-    if on_cuda:
-        peak = measure_matmul_peak(device)
-        store.add(provider="ours", config=config, metric="mfu", unit="%", value=100 * flops / timing.median / peak)
-        store.add(provider="ours", config=config, metric="peak_allocated", unit="GiB",
-                  value=torch.cuda.max_memory_allocated(device) / 2**30)
-    for name, ms in phases.items():
-        store.add(provider="ours", config=config | {"phase": name}, metric="phase_time", unit="ms", value=ms)
-    frame = rows_to_frame(store.rows)
-    shown = frame[frame["metric"].isin(["step_time", "tokens_per_s", "mfu", "peak_allocated", "phase_time"])]
-    label = shown.get("phase", shown["metric"]).fillna("")
-    shown = shown.assign(what=[f"{m} {p}".strip() for m, p in zip(shown["metric"], label)])
-    print(format_table(shown[["what", "median", "unit"]].round(3), "latex" if args.latex else "markdown"))
-    print(f"\npolicy {policy}, attention {attention}, optimizer {optimizer_kind}; rows appended to {store.path}")
+    summaries = []
+    for provider in args.provider:
+        policies = candidates if provider == "ours" else ["every-block"]
+        for policy in policies:
+            config = (our_config if provider == "ours" else base_config | dict(attention="sdpa", fused=False,
+                                                                                 optimizer="torch-fused"))
+            config = config | dict(checkpoint=policy)
+            try:
+                with use_attention(attention) if provider == "ours" else contextlib.nullcontext():
+                    build = (_ours(cfg, args, device, tokens, targets, policy, settings) if provider == "ours"
+                             else _baseline(cfg, args, device, tokens, targets, settings))
+                    summaries.append(_measure(store, provider, config, cfg, args, device, build, matmul_peak))
+                break
+            except Exception as error:  # out of memory is a result: record it, then try more checkpointing
+                if not is_oom(error):
+                    raise
+                store.add(provider=provider, config=config, metric="step_time", unit="ms", status="oom",
+                          message=str(error).splitlines()[0][:300])
+                print(f"{provider}: out of memory with checkpoint policy {policy}; trying the next")
+            finally:
+                build = None
+                _free(device)
+    wall = time.perf_counter() - started
+    store.add(provider="suite", config=our_config, metric="command_wall_time", unit="s", value=wall)
+    import pandas as pd
+
+    table = pd.DataFrame(summaries)
+    if {"ours", "baseline"} <= set(table.get("provider", [])):
+        ours_ms = table.loc[table.provider == "ours", "step_ms"].iloc[0]
+        base_ms = table.loc[table.provider == "baseline", "step_ms"].iloc[0]
+        store.add(provider="ours", config=our_config, metric="speedup_vs_baseline", unit="x", value=base_ms / ours_ms)
+        print(f"ours {ours_ms:.1f} ms vs baseline {base_ms:.1f} ms: {base_ms / ours_ms:.3f}x")
+    if len(table):
+        print(format_table(table.round(2), "latex" if args.latex else "markdown"))
+    print(f"\nwall time {wall:.0f} s; attention {attention}, fused {fused}, optimizer {optimizer_kind}; "
+          f"rows appended to {store.path}")
     return 0

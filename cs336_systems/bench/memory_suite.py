@@ -17,6 +17,7 @@ from cs336_basics.model import RMSNorm, TransformerBlock
 from cs336_systems.bench.common import DTYPES, add_common_arguments, autocast_context, positive_int
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.memory.checkpointing import parse_policy
 from cs336_systems.memory.saved_tensors import SavedTensorLog
 
 
@@ -33,6 +34,10 @@ def add_arguments(parser) -> None:
     part.add_argument("--rmsnorm", action="store_true", help="one RMSNorm alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the module first")
     parser.add_argument("--top", type=positive_int("--top"), default=10, help="top operations to list")
+    parser.add_argument("--policies", default=None,
+                        help="search: comma-separated policies to measure (default: none, every-k over the candidate "
+                             "group sizes, nested)")
+    parser.add_argument("--steps", type=positive_int("--steps"), default=3, help="search: timed steps (default 3)")
     add_common_arguments(parser)
 
 
@@ -120,7 +125,7 @@ def _measure_policy(cfg, policy, args, device):
     step()  # optimizer state exists from here on, as in steady training
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timing = time_fn(step, warmup=1, steps=3, device=device)
+    timing = time_fn(step, warmup=1, steps=args.steps, device=device)
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
@@ -139,7 +144,16 @@ def search(args) -> int:
         args.preset).context_length)
     store = ResultStore("memory", device, args.results_dir)
     rows = []
-    for policy in ["none"] + [f"every-k:{k}" for k in _candidate_group_sizes(cfg.num_layers)] + ["nested"]:
+    if args.policies:
+        policies = [p.strip() for p in args.policies.split(",")]
+        for policy in policies:
+            try:
+                parse_policy(policy)
+            except ValueError as e:
+                raise SystemExit(f"--policies: {e}") from None
+    else:
+        policies = ["none"] + [f"every-k:{k}" for k in _candidate_group_sizes(cfg.num_layers)] + ["nested"]
+    for policy in policies:
         config = dict(preset=args.preset, context=cfg.context_length, batch=args.batch, dtype=args.dtype,
                       policy=policy)
         predicted = predict(cfg, args.batch, cfg.context_length, policy=policy).peak if args.dtype == "fp32" else None

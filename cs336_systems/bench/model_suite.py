@@ -55,6 +55,9 @@ class ModelCase:
     provider: str
     attention: str
     checkpoint: str = "none"
+    fused: bool = False  # our Triton RMSNorm + SwiGLU gate (ours only)
+    compile_scope: str = "model"  # with compile: the whole model or each block
+    optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
@@ -70,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp32, bf16, fp16 (autocast), comma-separated (default fp32)")
     parser.add_argument("--compile", type=list_of(str, ("off", "on"), "--compile"), default=["off"],
                         help="torch.compile the model: off, on, or off,on (default off)")
+    parser.add_argument("--compile-scope", choices=["model", "block"], default="model",
+                        help="what --compile on compiles: the whole model (default, as the handout) or each "
+                             "Transformer block on its own (regional: one block's graph, reused by all, so large "
+                             "models compile in seconds)")
     parser.add_argument("--mode", type=list_of(str, MODES, "--mode"), default=list(MODES),
                         help="forward, forward-backward, train-step, comma-separated (default all)")
     parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=["ours"],
@@ -79,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=_checkpoint_policy, default="none",
                         help="activation checkpointing of our model: none, every-block, every-k:K, sqrt, nested, "
                              "ffn, attn (default none; the baseline is never checkpointed)")
+    parser.add_argument("--fused", action="store_true",
+                        help="install our Triton RMSNorm and SwiGLU gate on our model (CUDA, or TRITON_INTERPRET=1)")
+    parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
+                        help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
     parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5, help="warm-up steps (default 5)")
     parser.add_argument("--steps", type=positive_int("--steps"), default=10, help="timed steps (default 10)")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
@@ -117,7 +128,10 @@ def cases(args) -> list[ModelCase]:
         ctx = context or ModelConfig.from_name(preset).context_length
         attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
         policy = args.checkpoint if provider == "ours" else "none"
-        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention, policy))
+        ours = provider == "ours"
+        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention, policy,
+                             fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
+                             compile_scope=args.compile_scope if comp == "on" else "-"))
     return out
 
 
@@ -128,13 +142,28 @@ class _Harness:
         self.case, self.cfg, self.device = case, cfg, device
         torch.manual_seed(0)
         if case.provider == "ours":
-            self.model = apply_checkpointing(cfg.build(device=device), case.checkpoint)
-            self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
+            self.model = cfg.build(device=device)
+            if case.fused:
+                from cs336_systems.fused_model import apply_fused_kernels
+
+                apply_fused_kernels(self.model)
+            apply_checkpointing(self.model, case.checkpoint)
+            if case.optimizer == "fused":
+                from cs336_systems.kernels.adamw import FusedAdamW
+
+                self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
+            else:
+                self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
         else:
             with torch.device(device):
                 self.model = BaselineLM(cfg)
             self.optimizer = baseline_optimizer(self.model, device)
-        self.forward_model = torch.compile(self.model) if case.compile else self.model
+        self.forward_model = self.model
+        if case.compile and case.compile_scope == "block":
+            for block in (self.model.layers if case.provider == "ours" else self.model.blocks):
+                block.compile()  # in place; identical blocks share one compiled graph
+        elif case.compile:
+            self.forward_model = torch.compile(self.model)
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
         self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
 
@@ -322,7 +351,9 @@ def _print_table(store: ResultStore, args) -> None:
     frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
-    index = ["preset", "context", "dtype", "compile", "provider", "attention", "checkpoint", "mode"]
+    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "provider", "attention", "checkpoint", "fused",
+                         "optimizer", "mode") if c in frame.columns]
+    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope") if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]
     if not spread.empty:

@@ -1,0 +1,45 @@
+"""Our fused kernels installed on a built BasicsTransformerLM, from outside.
+
+`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
+of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate. Parameters, names and the
+state dict are untouched, and the function computed is the same up to rounding (both keep the
+norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
+compose with it. Apply it before `apply_checkpointing` or after: each patches a different
+forward (blocks vs their parts).
+
+Attention is chosen separately (`cs336_systems.attention.use_attention`); the LM head and loss
+by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch.nn as nn
+
+from cs336_basics.model import RMSNorm, SwiGLU
+from cs336_systems.kernels.rmsnorm import rmsnorm
+from cs336_systems.kernels.swiglu import silu_mul
+
+
+def _fused_rmsnorm_forward(self, x):
+    return rmsnorm(x, self.weight, self.eps)
+
+
+def _fused_swiglu_forward(self, x):
+    return self.w2(silu_mul(self.w1(x), self.w3(x)))
+
+
+def apply_fused_kernels(model: nn.Module) -> nn.Module:
+    """Install the fused RMSNorm and SwiGLU gate on every such module of `model`; returns `model`."""
+    patched = 0
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = types.MethodType(_fused_rmsnorm_forward, module)
+            patched += 1
+        elif isinstance(module, SwiGLU):
+            module.forward = types.MethodType(_fused_swiglu_forward, module)
+            patched += 1
+    if not patched:
+        raise ValueError(f"apply_fused_kernels: {type(model).__name__} has no RMSNorm or SwiGLU modules")
+    return model

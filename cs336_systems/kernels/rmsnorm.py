@@ -1,0 +1,150 @@
+"""Fused RMSNorm in Triton: y = x * rstd * weight with rstd = 1 / sqrt(mean(x^2) + eps), fp32 inside.
+
+Reference: `rmsnorm_reference(x, weight, eps)` = cs336_basics.model.RMSNorm's maths (upcast to
+fp32, normalise, scale, cast back to x's dtype).
+
+Why a kernel: the eager module runs ~8 kernels per call and autograd keeps two fp32 copies of
+x (16 bytes per element of a bf16 model); this one reads x once, writes y once, and saves only
+x (in its own dtype) and one fp32 rstd per row for backward.
+
+Layout: one program per row (rows = all leading dims), the whole row in registers
+(BLOCK_D = next power of two >= d: fine up to d = 16k). Backward, per row:
+    x_hat = x * rstd,   g = dy * w,   dx = rstd * (g - x_hat * mean(g * x_hat)),
+and dw = sum over rows of dy * x_hat, accumulated per program in fp32 over a strided set of
+rows into a (programs, d) buffer that one torch sum reduces (deterministic, no atomics).
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cs336_systems.kernels._triton_utils import check_kernel_device
+
+MAX_D = 16384
+DW_PROGRAMS = 256  # partial dW rows: enough programs to fill 132 SMs twice, small enough to reduce cheaply
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """x (..., d), weight (d,) -> (..., d) in x's dtype; fp32 maths (fp64 stays fp64)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.to(acc) * (xf / rms)).to(x.dtype)
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rmsnorm_forward_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, d, eps, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < d
+        x = tl.load(x_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + eps)
+        tl.store(y_ptr + row * d + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + row, rstd)
+
+    @triton.jit
+    def rmsnorm_backward_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, d,
+                                BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_D)
+        mask = cols < d
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        # Row pointers advance by `programs` rows per iteration; 64-bit pointer arithmetic, so no
+        # int32 overflow of row * d on large inputs.
+        step = programs * d
+        start = pid.to(tl.int64) * d
+        x_ptr += start
+        dy_ptr += start
+        dx_ptr += start
+        for row in range(pid, n_rows, programs):
+            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x * rstd
+            g = dy * w
+            dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / d))
+            tl.store(dx_ptr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            x_ptr += step
+            dy_ptr += step
+            dx_ptr += step
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * d + cols, dw, mask=mask)
+
+    return rmsnorm_forward_kernel, rmsnorm_backward_kernel
+
+
+_KERNELS = None
+
+
+def _get_kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _kernels()
+    return _KERNELS
+
+
+def _block_d(d: int) -> int:
+    import triton
+
+    return triton.next_power_of_2(d)
+
+
+def _num_warps(block_d: int) -> int:
+    return min(16, max(1, block_d // 256))
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        forward_kernel, _ = _get_kernels()
+        d = x.shape[-1]
+        x2d = x.reshape(-1, d).contiguous()  # (rows, d)
+        y = torch.empty_like(x2d)
+        rstd = torch.empty(x2d.shape[0], device=x.device, dtype=torch.float32)
+        block_d = _block_d(d)
+        if x2d.shape[0]:
+            forward_kernel[(x2d.shape[0],)](x2d, weight, y, rstd, d, eps, BLOCK_D=block_d,
+                                            num_warps=_num_warps(block_d))
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        _, backward_kernel = _get_kernels()
+        x2d, weight, rstd = ctx.saved_tensors
+        rows, d = x2d.shape
+        dy = grad_y.reshape(rows, d).contiguous()
+        dx = torch.empty_like(x2d)
+        programs = max(1, min(DW_PROGRAMS, rows))
+        dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
+        block_d = _block_d(d)
+        if rows:
+            backward_kernel[(programs,)](x2d, weight, dy, rstd, dx, dw_partial, rows, d, BLOCK_D=block_d,
+                                         num_warps=_num_warps(block_d))
+        else:
+            dw_partial.zero_()
+        dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.x_shape), dw, None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Fused RMSNorm. x (..., d) fp32/bf16/fp16, weight (d,) -> (..., d) in x's dtype."""
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rmsnorm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if x.shape[-1] > MAX_D:
+        raise ValueError(f"rmsnorm: the last dim must be at most {MAX_D} (one row in registers), got {x.shape[-1]}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"rmsnorm: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if eps <= 0:
+        raise ValueError(f"rmsnorm: eps must be positive, got {eps}")
+    check_kernel_device("rmsnorm", x, weight)
+    return RMSNormFunction.apply(x, weight.contiguous(), eps)

@@ -1,0 +1,97 @@
+"""The SwiGLU gate, fused in Triton: silu_mul(a, b) = silu(a) * b = a * sigmoid(a) * b.
+
+Reference: `silu_mul_reference(a, b)`, the eager expression cs336_basics.model.SwiGLU uses
+between its w1/w3 and w2 matmuls.
+
+Why a kernel: eagerly that is three kernels (sigmoid, two multiplies), and autograd keeps a,
+sigmoid(a), silu(a) and b: four (tokens, d_ff) tensors beside the product that w2 saves. The
+fused Function saves only a and b and recomputes sigmoid in backward:
+    s = sigmoid(a),  da = dy * b * s * (1 + a * (1 - s)),  db = dy * a * s.
+Elementwise over the flattened tensors, fp32 in registers, results in the inputs' dtype.
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cs336_systems.kernels._triton_utils import check_kernel_device
+
+BLOCK = 1024
+
+
+def silu_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * torch.sigmoid(a) * b
+
+
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_mul_forward_kernel(a_ptr, b_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-a))
+        tl.store(y_ptr + offs, (a * s * b).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_mul_backward_kernel(a_ptr, b_ptr, dy_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-a))
+        tl.store(da_ptr + offs, (dy * b * s * (1.0 + a * (1.0 - s))).to(da_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, (dy * a * s).to(db_ptr.dtype.element_ty), mask=mask)
+
+    return silu_mul_forward_kernel, silu_mul_backward_kernel
+
+
+_KERNELS = None
+
+
+def _get_kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _kernels()
+    return _KERNELS
+
+
+def _grid(n: int):
+    return ((n + BLOCK - 1) // BLOCK,)
+
+
+class SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        forward_kernel, _ = _get_kernels()
+        a, b = a.contiguous(), b.contiguous()
+        y = torch.empty_like(a)
+        if a.numel():
+            forward_kernel[_grid(a.numel())](a, b, y, a.numel(), BLOCK=BLOCK)
+        ctx.save_for_backward(a, b)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        _, backward_kernel = _get_kernels()
+        a, b = ctx.saved_tensors
+        dy = grad_y.contiguous()
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        if a.numel():
+            backward_kernel[_grid(a.numel())](a, b, dy, da, db, a.numel(), BLOCK=BLOCK)
+        return da, db
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b, fused. a, b: same shape and floating dtype."""
+    if a.shape != b.shape:
+        raise ValueError(f"silu_mul: a and b must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype or not a.dtype.is_floating_point:
+        raise TypeError(f"silu_mul: a and b must share one floating dtype, got {a.dtype} and {b.dtype}")
+    check_kernel_device("silu_mul", a, b)
+    return SiluMulFunction.apply(a, b)

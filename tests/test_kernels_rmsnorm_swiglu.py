@@ -1,0 +1,100 @@
+"""Fused RMSNorm and SwiGLU gate against fp64 references, with budgets from PyTorch's own low-precision
+error (CUDA, or CPU under the interpreter); and the model with them installed."""
+
+import types
+
+import pytest
+import torch
+
+from cs336_basics.model import RMSNorm
+from cs336_systems.config import ModelConfig
+from cs336_systems.fused_model import apply_fused_kernels
+from cs336_systems.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from cs336_systems.kernels.swiglu import silu_mul, silu_mul_reference
+from tests._support import assert_within_budget, kernel_device
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _grads(fn, *inputs, grad_out):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out, [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 17, 64), (1, 1, 100), (5, 256), (2, 3, 4, 48)])
+def test_rmsnorm_matches_reference(shape, dtype):
+    device = kernel_device()
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device) * 3 + 0.5
+    w = torch.rand(shape[-1], device=device) + 0.5
+    dy = torch.randn(shape, device=device)
+    ref, ref_grads = _grads(lambda a, b: rmsnorm_reference(a, b), x.double(), w.double(), grad_out=dy.double())
+    ours, our_grads = _grads(lambda a, b: rmsnorm(a, b), x.to(dtype), w.to(dtype), grad_out=dy)
+    low, low_grads = _grads(lambda a, b: RMSNorm.forward(_norm_with(b), a), x.to(dtype), w.to(dtype), grad_out=dy)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    assert_within_budget("y", ours, ref, low)
+    for name, g, r, lo in zip(("dx", "dw"), our_grads, ref_grads, low_grads):
+        assert g.dtype == dtype
+        assert_within_budget(name, g, r, lo)
+
+
+def _norm_with(weight):
+    """Stands in for `self` of cs336_basics' RMSNorm (the eager module being replaced), holding the leaf `weight`."""
+    return types.SimpleNamespace(weight=weight, eps=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 33), (1, 2049), (2, 3, 1000)])
+def test_silu_mul_matches_reference(shape, dtype):
+    device = kernel_device()
+    torch.manual_seed(1)
+    a, b, dy = (torch.randn(shape, device=device) * 2 for _ in range(3))
+    ref, ref_grads = _grads(silu_mul_reference, a.double(), b.double(), grad_out=dy.double())
+    ours, our_grads = _grads(silu_mul, a.to(dtype), b.to(dtype), grad_out=dy)
+    low, low_grads = _grads(silu_mul_reference, a.to(dtype), b.to(dtype), grad_out=dy)
+    assert_within_budget("y", ours, ref, low)
+    for name, g, r, lo in zip(("da", "db"), our_grads, ref_grads, low_grads):
+        assert_within_budget(name, g, r, lo)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rmsnorm(torch.ones(2, 8), torch.ones(4))
+    with pytest.raises(ValueError, match="same shape"):
+        silu_mul(torch.ones(2, 3), torch.ones(3, 2))
+    with pytest.raises(TypeError, match="one floating dtype"):
+        silu_mul(torch.ones(2), torch.ones(2, dtype=torch.float64))
+
+
+def test_fused_model_computes_the_same_function():
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=24)
+    torch.manual_seed(0)
+    plain = cfg.build(device=device)
+    torch.manual_seed(0)
+    fused = apply_fused_kernels(cfg.build(device=device))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    out_plain, out_fused = plain(tokens), fused(tokens)
+    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert set(fused.state_dict()) == set(plain.state_dict())
+
+
+def test_fused_model_saves_less():
+    from cs336_systems.memory.saved_tensors import SavedTensorLog
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=1, context_length=16)
+    model = cfg.build(device=device)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), device=device)
+    with SavedTensorLog(model) as plain_log:
+        model(tokens)
+    with SavedTensorLog(model) as fused_log:
+        apply_fused_kernels(model)(tokens)
+    assert fused_log.total_bytes < plain_log.total_bytes

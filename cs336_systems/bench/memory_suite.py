@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from cs336_basics.model import RMSNorm, TransformerBlock
-from cs336_systems.bench.common import DTYPES, add_common_arguments, autocast_context, positive_int
+from cs336_systems.bench.common import DTYPES, add_common_arguments, autocast_context, free_memory, positive_int
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.checkpointing import parse_policy
@@ -108,9 +108,10 @@ def _measure_policy(cfg, policy, args, device):
     from cs336_systems.memory.live_bytes import retained_bytes
     from cs336_systems.profiling.timing import time_fn
 
+    # A failed (out-of-memory) policy leaves its model in reference cycles through the traceback:
+    # collect them, or their bytes count in this policy's peak.
+    free_memory(device)
     torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     model = apply_checkpointing(cfg.build(device=device), policy)
     opt = AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context_length), device=device)
@@ -157,13 +158,17 @@ def search(args) -> int:
         config = dict(preset=args.preset, context=cfg.context_length, batch=args.batch, dtype=args.dtype,
                       policy=policy)
         predicted = predict(cfg, args.batch, cfg.context_length, policy=policy).peak if args.dtype == "fp32" else None
+        failure = None
         try:
             peak, seconds = _measure_policy(cfg, policy, args, device)
         except Exception as error:  # out of memory is a result, and the search goes on
-            status = "oom" if "out of memory" in str(error).lower() else "error"
-            store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=status,
-                      message=str(error).splitlines()[0][:300])
-            rows.append(dict(policy=policy, peak_GiB=status, predicted_GiB=predicted and predicted / 2**30,
+            failure = ("oom" if "out of memory" in str(error).lower() else "error", str(error))
+        if failure:
+            # Outside the except block: the traceback (and the frames holding the failed model) is gone.
+            free_memory(device)
+            store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=failure[0],
+                      message=failure[1].splitlines()[0][:300])
+            rows.append(dict(policy=policy, peak_GiB=failure[0], predicted_GiB=predicted and predicted / 2**30,
                              step_ms=None))
             continue
         store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", value=peak / 2**30)

@@ -244,14 +244,22 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
                 _time_mode(harness, mode, config, args, store, ranges, peak)
             except Exception as error:
                 _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+            else:
+                continue
+            # After a failure, outside the except block (whose traceback holds the failed step's tensors).
+            harness.optimizer.zero_grad(set_to_none=True)
+            free_memory(device)
+        # The profile covers the last mode (one trace per configuration); the memory timeline every mode.
+        for wanted, stage, modes in ((args.profile, _profile, args.mode[-1:]), (args.memory, _memory, args.mode)):
+            for mode in modes if wanted else ():
+                try:
+                    stage(harness, mode, config, args, store)
+                except Exception as error:
+                    _record_failure(store, case.provider, config | {"mode": mode}, stage.__name__[1:], error)
+                else:
+                    continue
                 harness.optimizer.zero_grad(set_to_none=True)
                 free_memory(device)
-        for wanted, stage in ((args.profile, _profile), (args.memory, _memory)):
-            if wanted:
-                try:
-                    stage(harness, args.mode[-1], config, args, store)
-                except Exception as error:
-                    _record_failure(store, case.provider, config | {"mode": args.mode[-1]}, stage.__name__[1:], error)
     del harness
     free_memory(device)
 
@@ -351,8 +359,8 @@ def _print_table(store: ResultStore, args) -> None:
     frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
-    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "provider", "attention", "checkpoint", "fused",
-                         "optimizer", "mode") if c in frame.columns]
+    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "provider", "attention",
+                         "checkpoint", "fused", "optimizer", "mode") if c in frame.columns]
     frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope") if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]

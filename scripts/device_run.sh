@@ -53,9 +53,11 @@ run_stage() {
       ;;
     model-compiled)
       # Regional compile (each block): one block graph per model, so xl compiles in seconds, not minutes.
-      python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16,fp32 --compile on \
-        --compile-scope block --provider ours,baseline --warmup 2 --steps 5 --no-progress --results-dir "$R" \
-        2>&1 | tail -52
+      for dtype in bf16 fp32; do
+        python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype $dtype --compile on \
+          --compile-scope block --provider ours,baseline --warmup 2 --steps 5 --no-progress --results-dir "$R" \
+          2>&1 | tail -26
+      done
       ;;
     model-fused)
       python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --attention triton --fused \
@@ -91,10 +93,12 @@ run_stage() {
   esac
 }
 
+pack() { tar czf "$OUT/results.tgz" -C "$R" --exclude='*.pickle' --exclude='traces' --exclude='*.json' .; }
+# Packed every 20 s as well, so a run stopped at its time limit still brings back the rows written so far.
+( while sleep 20; do pack; done ) &
 for stage in "$@"; do
   echo "=== stage $stage ($(date +%T))"
   run_stage "$stage"
-  # Packed after every stage, so a run stopped at its time limit still brings back what finished.
-  tar czf "$OUT/results.tgz" -C "$R" --exclude='*.pickle' --exclude='traces' --exclude='*.json' .
+  pack
 done
 echo "=== done ($(date +%T))"

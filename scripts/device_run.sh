@@ -95,7 +95,11 @@ run_stage() {
 
 pack() { tar czf "$OUT/results.tgz" -C "$R" --exclude='*.pickle' --exclude='traces' --exclude='*.json' .; }
 # Packed every 20 s as well, so a run stopped at its time limit still brings back the rows written so far.
-( while sleep 20; do pack; done ) &
+# Its output goes nowhere and it is killed at the end: a background job holding stdout keeps a
+# `| tee` pipeline (and so the device call) waiting until its time limit.
+( while sleep 20; do pack; done ) >/dev/null 2>&1 &
+PACKER=$!
+trap 'kill $PACKER 2>/dev/null' EXIT
 for stage in "$@"; do
   echo "=== stage $stage ($(date +%T))"
   run_stage "$stage"

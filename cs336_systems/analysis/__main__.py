@@ -1,0 +1,3 @@
+from cs336_systems.analysis.cli import main
+
+raise SystemExit(main())

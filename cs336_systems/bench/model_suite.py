@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import sys
 import traceback
@@ -240,26 +241,27 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
     names_attention = case.provider == "ours" and case.attention == "reference"
     with harness.attention_context(), annotated_attention(ranges) if names_attention else contextlib.nullcontext():
         for mode in args.mode:
-            try:
-                _time_mode(harness, mode, config, args, store, ranges, peak)
-            except Exception as error:
-                _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
-            else:
-                continue
-            # After a failure, outside the except block (whose traceback holds the failed step's tensors).
-            harness.optimizer.zero_grad(set_to_none=True)
-            free_memory(device)
-        # The profile covers the last mode (one trace per configuration); the memory timeline every mode.
-        for wanted, stage, modes in ((args.profile, _profile, args.mode[-1:]), (args.memory, _memory, args.mode)):
-            for mode in modes if wanted else ():
+            # --memory records each mode right after timing it, before later modes create gradients and
+            # optimizer state: a forward-mode peak is then that of a forward-only process.
+            stages = [("time", functools.partial(_time_mode, harness, mode, config, args, store, ranges, peak))]
+            if args.memory:
+                stages.append(("memory", functools.partial(_memory, harness, mode, config, args, store)))
+            for metric, stage in stages:
                 try:
-                    stage(harness, mode, config, args, store)
+                    stage()
                 except Exception as error:
-                    _record_failure(store, case.provider, config | {"mode": mode}, stage.__name__[1:], error)
+                    _record_failure(store, case.provider, config | {"mode": mode}, metric, error)
                 else:
                     continue
+                # After a failure, outside the except block (whose traceback holds the failed step's tensors).
                 harness.optimizer.zero_grad(set_to_none=True)
                 free_memory(device)
+                break
+        if args.profile:  # one trace per configuration: the last mode
+            try:
+                _profile(harness, args.mode[-1], config, args, store)
+            except Exception as error:
+                _record_failure(store, case.provider, config | {"mode": args.mode[-1]}, "profile", error)
     del harness
     free_memory(device)
 

@@ -49,3 +49,34 @@ def test_bad_options():
         FusedAdamW(p, maths="adam")
     with pytest.raises(ValueError, match="state_dtype"):
         FusedAdamW(p, state_dtype=torch.float16)
+
+
+def test_multi_tensor_launch_matches_per_tensor_launches_exactly():
+    device = kernel_device()
+    kw = dict(lr=1e-2, weight_decay=0.1, maths="torch")
+    multi, opt = _run(lambda ps: FusedAdamW(ps, **kw), device)
+    single, _ = _run(lambda ps: FusedAdamW(ps, multi_tensor=False, **kw), device)
+    for a, b in zip(multi, single):
+        assert torch.equal(a, b)
+    assert len(opt._block_tables) == 1  # sizes never change: one cached block table
+
+
+def test_multi_tensor_with_mixed_dtypes_and_missing_gradients():
+    device = kernel_device()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, device=device)),
+              torch.nn.Parameter(torch.randn(70, device=device).to(torch.bfloat16)),
+              torch.nn.Parameter(torch.randn(5, device=device))]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = FusedAdamW(params, lr=1e-2, maths="torch")
+    ref = FusedAdamW(copies, lr=1e-2, maths="torch", multi_tensor=False)
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(params, copies)):
+            has_grad = not (i == 2 and step == 1)  # one parameter skips a step: its t falls behind
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(device, p.dtype)
+            p.grad, q.grad = (g.clone(), g.clone()) if has_grad else (None, None)
+        ours.step()
+        ref.step()
+    assert ours.state[params[2]]["t"] == 2 and ours.state[params[0]]["t"] == 3
+    for p, q in zip(params, copies):
+        assert torch.equal(p, q)

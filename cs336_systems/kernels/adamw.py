@@ -5,9 +5,16 @@ Two update rules, chosen by `maths`:
 * "torch": torch.optim.AdamW: the same decay, then p -= lr/(1-b1^t) * m/(sqrt(v)/sqrt(1-b2^t) + eps).
 State (m, v) is fp32 or bf16 (`state_dtype`); arithmetic is fp32 in registers either way.
 
-One launch per parameter tensor (BLOCK=1024 elements per program): memory-bound, 16 bytes
-read and 12 written per fp32 element. (A single multi-tensor launch over all parameters, which
-saves the per-tensor launch overhead on models with many small tensors, is the next step.)
+Memory-bound: 16 bytes read and 12 written per fp32 element, BLOCK=1024 elements per program.
+Two launch schemes (`multi_tensor`):
+* multi-tensor (default): one launch per (parameter dtype, step count) over *all* parameters
+  of a param group. Each program looks up which tensor it works on from a block table
+  (tensor index, first element), and that tensor's p/g/m/v addresses from pointer tables
+  (int64 addresses, cast to pointers in the kernel). The block table depends only on the
+  sizes and is cached; the gradient pointer table is rebuilt each step (zero_grad(set_to_none)
+  gives new gradient tensors), one small host-to-device copy. A model with hundreds of small
+  tensors then costs one launch, not hundreds.
+* per tensor: one launch per parameter (the simple version, kept for comparison and tests).
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 """
 
@@ -50,14 +57,59 @@ def _kernel():
     return adamw_step_kernel
 
 
+def _multi_tensor_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, sizes, block_tensor, block_start, decay, beta1,
+                                  beta2, eps, step_size, bias2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                                  S_DTYPE: tl.constexpr, TORCH_MATHS: tl.constexpr, BLOCK: tl.constexpr):
+        block = tl.program_id(0)
+        tensor = tl.load(block_tensor + block)
+        offs = tl.load(block_start + block) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(sizes + tensor)
+        p_ptr = tl.load(p_ptrs + tensor).to(tl.pointer_type(P_DTYPE))
+        g_ptr = tl.load(g_ptrs + tensor).to(tl.pointer_type(G_DTYPE))
+        m_ptr = tl.load(m_ptrs + tensor).to(tl.pointer_type(S_DTYPE))
+        v_ptr = tl.load(v_ptrs + tensor).to(tl.pointer_type(S_DTYPE))
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        p = p * decay
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        if TORCH_MATHS:
+            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        else:
+            p = p - step_size * m / (tl.sqrt(v) + eps)
+        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
+        tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
+        tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+
+    return adamw_multi_tensor_kernel
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _addresses(tensors, device) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
 _KERNEL = None
+_MULTI_KERNEL = None
 
 
 class FusedAdamW(torch.optim.Optimizer):
     """AdamW with the update in one Triton kernel per parameter. State keys: m, v, t (as cs336_basics)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 *, maths: str = "cs336", state_dtype: torch.dtype = torch.float32):
+                 *, maths: str = "cs336", state_dtype: torch.dtype = torch.float32, multi_tensor: bool = True):
         if maths not in MATHS:
             raise ValueError(f"FusedAdamW: maths must be one of {', '.join(MATHS)}, got {maths!r}")
         if state_dtype not in (torch.float32, torch.bfloat16):
@@ -65,22 +117,18 @@ class FusedAdamW(torch.optim.Optimizer):
         if lr < 0 or eps <= 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"FusedAdamW: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
-        self.maths, self.state_dtype = maths, state_dtype
+        self.maths, self.state_dtype, self.multi_tensor = maths, state_dtype, multi_tensor
+        self._block_tables: dict[tuple, tuple[torch.Tensor, ...]] = {}  # sizes -> (sizes, block tensor, start)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
     def step(self, closure=None):
-        global _KERNEL
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if _KERNEL is None:
-            _KERNEL = _kernel()
-        import triton
-
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            live = []
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -93,11 +141,58 @@ class FusedAdamW(torch.optim.Optimizer):
                     state["v"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["t"] = 0
                 state["t"] += 1
-                t = state["t"]
-                bias1, bias2 = 1 - beta1**t, 1 - beta2**t
-                step_size = lr / bias1 if self.maths == "torch" else lr * math.sqrt(bias2) / bias1
-                n = p.numel()
-                _KERNEL[(triton.cdiv(n, BLOCK),)](
-                    p, p.grad, state["m"], state["v"], n, 1 - lr * wd, beta1, beta2, eps, step_size,
-                    math.sqrt(bias2), TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)
+                live.append(p)
+            if self.multi_tensor:
+                batches: dict[tuple, list] = {}
+                for p in live:  # one launch per (device, dtypes, step count): the scalars are shared
+                    key = (p.device, p.dtype, p.grad.dtype, self.state[p]["t"])
+                    batches.setdefault(key, []).append(p)
+                for (_, _, _, t), params in batches.items():
+                    self._multi_tensor_step(params, group, t)
+            else:
+                for p in live:
+                    self._single_tensor_step(p, group, self.state[p]["t"])
         return loss
+
+    def _scalars(self, group, t: int):
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        bias1, bias2 = 1 - beta1**t, 1 - beta2**t
+        step_size = lr / bias1 if self.maths == "torch" else lr * math.sqrt(bias2) / bias1
+        return 1 - lr * wd, beta1, beta2, eps, step_size, math.sqrt(bias2)
+
+    def _single_tensor_step(self, p, group, t: int) -> None:
+        global _KERNEL
+        import triton
+
+        if _KERNEL is None:
+            _KERNEL = _kernel()
+        state, n = self.state[p], p.numel()
+        _KERNEL[(triton.cdiv(n, BLOCK),)](p, p.grad, state["m"], state["v"], n, *self._scalars(group, t),
+                                          TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)
+
+    def _multi_tensor_step(self, params, group, t: int) -> None:
+        global _MULTI_KERNEL
+        if _MULTI_KERNEL is None:
+            _MULTI_KERNEL = _multi_tensor_kernel()
+        device = params[0].device
+        key = (device, tuple(p.numel() for p in params))
+        if key not in self._block_tables:
+            tensor_of_block, start_of_block = [], []
+            for i, p in enumerate(params):
+                starts = range(0, p.numel(), BLOCK)
+                tensor_of_block += [i] * len(starts)
+                start_of_block += starts
+            self._block_tables[key] = (
+                torch.tensor(key[1], dtype=torch.int64, device=device),
+                torch.tensor(tensor_of_block, dtype=torch.int32, device=device),
+                torch.tensor(start_of_block, dtype=torch.int64, device=device))
+        sizes, block_tensor, block_start = self._block_tables[key]
+        states = [self.state[p] for p in params]
+        if not block_tensor.numel():
+            return
+        _MULTI_KERNEL[(block_tensor.numel(),)](
+            _addresses(params, device), _addresses([p.grad for p in params], device),
+            _addresses([s["m"] for s in states], device), _addresses([s["v"] for s in states], device),
+            sizes, block_tensor, block_start, *self._scalars(group, t),
+            P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
+            S_DTYPE=_tl_dtype(self.state_dtype), TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)

@@ -92,6 +92,8 @@ def _setup(args):
     store = ResultStore(args.suite, device, args.results_dir) if comm.rank() == 0 else None
     base = dict(preset=args.preset, context=context, batch_per_rank=args.batch, world_size=comm.world_size(),
                 backend=dist.get_backend() if dist.is_initialized() else "none")
+    if device.type == "cpu":
+        base["threads_per_rank"] = torch.get_num_threads()
     return device, cfg, x, y, store, base
 
 

@@ -3,6 +3,7 @@ fp16 compute against a single-process fp16-compute model, checkpointing without 
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from einops import einsum
@@ -119,22 +120,22 @@ def _checkpoint_blocks(model):
         block.forward = lambda x, b=block: checkpoint(type(b).forward, b, x, use_reentrant=False)
 
 
-def _checkpointing(rank, world_size):
+def _checkpointing(rank, world_size, unit):
     counts = []
 
     def counting(fsdp):
         original = fsdp._start_gather
 
-        def start(unit):
-            if unit.full is None and unit.handle is None:
+        def start(group):
+            if not group.gathered:
                 counts[-1] += 1
-            original(unit)
+            original(group)
         fsdp._start_gather = start
 
     for wrap in (None, _checkpoint_blocks):
         torch.manual_seed(0)
         model = BasicsTransformerLM(**CONFIG)
-        fsdp = FSDP(model, exact_gradients=True)
+        fsdp = FSDP(model, exact_gradients=True, unit=unit)
         if wrap:
             wrap(fsdp.module)
         counting(fsdp)
@@ -151,13 +152,29 @@ def _checkpointing(rank, world_size):
         else:
             for a, b in zip(plain[-1], grads[-1]):
                 assert torch.equal(a, b)  # checkpointing changes nothing in exact mode
-    n_units = 2 + CONFIG["num_layers"] * 7  # embedding, head, and 7 Linears per block
-    # Every weight gathered once in forward and once in backward; recomputation adds none.
-    assert counts == [2 * n_units] * 4, counts
+    # Embedding and head, then per block 7 Linears gathered one by one ("layer") or together ("block").
+    n_gathers = 2 + CONFIG["num_layers"] * (7 if unit == "layer" else 1)
+    # Every unit gathered once in forward and once in backward; recomputation adds none.
+    assert counts == [2 * n_gathers] * 4, counts
 
 
-def test_fsdp_with_activation_checkpointing_gathers_each_weight_twice():
-    run_on_ranks(_checkpointing, 2)
+@pytest.mark.parametrize("unit", ["block", "layer"])
+def test_fsdp_with_activation_checkpointing_gathers_each_unit_twice(unit):
+    run_on_ranks(_checkpointing, 2, unit)
+
+
+def _layer_units(rank, world_size):
+    _train(dict(exact_gradients=True, unit="layer"), _bitwise, rank, world_size, steps=2)
+    _train(dict(unit="layer"), _close, rank, world_size, steps=2)
+
+
+def test_fsdp_one_gather_per_weight_is_bitwise_too():
+    run_on_ranks(_layer_units, 2)
+
+
+def test_fsdp_unit_is_validated():
+    with pytest.raises(ValueError, match="unit must be 'block' or 'layer'"):
+        FSDP(torch.nn.Linear(2, 2), unit="module")
 
 
 def _world_size_one(rank, world_size):

@@ -12,7 +12,7 @@ torch's AdamW; a step counts as long as its slowest rank.
   tensors themselves) and of activations (what one forward saves for backward, SavedTensorLog);
   CUDA peaks after init / before / after the optimizer step; time per step; with AdamW
   unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
-* fsdp: our FSDP (fp32 and --compute-dtype) against bucketed DDP and torch's FSDP2 (fully_shard,
+* fsdp: our FSDP (fp32 and --compute-dtype; `fsdp` gathers per block, `fsdp-layer` per weight) against bucketed DDP and torch's FSDP2 (fully_shard,
   baseline): time per step, peak memory, and how many weight gathers were complete before use.
 
     cs336-bench ddp --preset tiny --world-size 2
@@ -76,7 +76,7 @@ def add_sharding_arguments(parser) -> None:
 def add_fsdp_arguments(parser) -> None:
     parser.add_argument("--compute-dtype", type=list_of(str, tuple(DTYPES), "--compute-dtype"),
                         default=["fp32", "bf16"])
-    parser.add_argument("--provider", type=list_of(str, ("fsdp", "ddp", "torch-fsdp2"), "--provider"),
+    parser.add_argument("--provider", type=list_of(str, ("fsdp", "fsdp-layer", "ddp", "torch-fsdp2"), "--provider"),
                         default=["fsdp", "ddp", "torch-fsdp2"])
     _add_model_arguments(parser)
 
@@ -345,8 +345,9 @@ def _fsdp_rank(args) -> None:
                     torch.cuda.reset_peak_memory_stats(device)
                 model = _build(cfg, device)
                 autocast = contextlib.nullcontext()
-                if provider == "fsdp":
-                    wrapped = FSDP(model, compute_dtype=None if dtype_name == "fp32" else DTYPES[dtype_name])
+                if provider in ("fsdp", "fsdp-layer"):  # one all-gather per block, or per weight
+                    wrapped = FSDP(model, compute_dtype=None if dtype_name == "fp32" else DTYPES[dtype_name],
+                                   unit="layer" if provider == "fsdp-layer" else "block")
                     finish = wrapped.finish_gradient_synchronization
                 elif provider == "ddp":
                     wrapped = make_ddp(model, "bucketed", bucket_size_mb=25.0)

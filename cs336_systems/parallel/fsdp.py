@@ -5,12 +5,19 @@ ceil(R / W) rows (the last zero-padded); rank r keeps shard r as an fp32 Paramet
 on the *original module* under the name `weight`, so names, `isinstance` checks and the
 optimizer all see the shard. Everything else (norm weights) stays replicated.
 
+Gather units (`unit=`). "block" (default): the sharded weights of one element of a
+ModuleList (a TransformerBlock: its 7 Linears) are gathered by one all-gather of their
+concatenated shards, and every other sharded module (embedding, LM head) is a unit of its
+own; "layer": one all-gather per weight (more, smaller collectives: each call's fixed cost
+dominates on small models, e.g. 2-3x slower steps on gloo). After a group's gather, each
+weight is copied out of the (ranks, group) buffer into its own full tensor.
+
 Forward. Each sharded module's `forward` is replaced by an autograd Function that takes the
 gathered full weight, runs the module class's own forward with it (the einsum or the row
 lookup: the maths stays in cs336_basics) and saves only its input, never the full weight,
-which is freed as soon as the layer is done. Weights are all-gathered asynchronously just in
-time: when layer i starts, the gather of layer i+1 is launched, so at most two full weights
-are alive and the gather of layer i starts only after layer i-2 finished its forward.
+which is freed as soon as the layer is done. Units are all-gathered asynchronously just in
+time: when unit i is first used, the gather of unit i+1 is launched, so at most two units'
+full weights are alive.
 `compute_dtype` casts the shard before it is communicated and computed with; fp32 masters
 and optimizer updates stay on the shards.
 
@@ -81,15 +88,14 @@ def _gather_batch(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _ShardedWeight:
-    """One sharded weight and its gather/reduce state."""
+    """One sharded weight, its full copy while in use, and its pending gradient reductions."""
 
     name: str
     module: nn.Module
     full_shape: tuple[int, ...]
     rows_per_rank: int
     full: torch.Tensor | None = None
-    buffer: torch.Tensor | None = None
-    handle: object = None
+    group: _GatherGroup | None = None
     pending_grad: list = field(default_factory=list)  # [(handle, reduced flat shard)]
 
     @property
@@ -97,10 +103,25 @@ class _ShardedWeight:
         return self.module._parameters["weight"]
 
 
+@dataclass
+class _GatherGroup:
+    """Weights gathered by one all-gather: buffer (ranks, sum of shard sizes), rank-major."""
+
+    units: list[_ShardedWeight]
+    buffer: torch.Tensor | None = None
+    handle: object = None
+
+    @property
+    def gathered(self) -> bool:
+        return self.handle is not None or any(u.full is not None for u in self.units)
+
+
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
-                 exact_gradients: bool = False):
+                 exact_gradients: bool = False, unit: str = "block"):
         super().__init__()
+        if unit not in ("block", "layer"):
+            raise ValueError(f"FSDP: unit must be 'block' or 'layer', got {unit!r}")
         self.module = module
         self.compute_dtype = compute_dtype
         self.exact_gradients = exact_gradients
@@ -111,6 +132,7 @@ class FSDP(nn.Module):
         for name, sub in module.named_modules():
             if isinstance(sub, (Linear, Embedding)) and id(sub) not in self._unit_of:
                 self._shard(name, sub)
+        self._groups = self._make_groups(module, unit)
         self._replicated = [(n, p) for n, p in module.named_parameters()
                             if p.requires_grad and not any(p is u.shard for u in self._units)]
         self._replicated_records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
@@ -118,11 +140,31 @@ class FSDP(nn.Module):
             for sub in module.modules():
                 if id(sub) not in self._unit_of and any(True for _ in sub.parameters(recurse=False)):
                     sub.register_forward_hook(self._record_replicated)
-        self._order: list[_ShardedWeight] = []  # forward execution order, learned on the first forward
+        self._order: list[_GatherGroup] = []  # forward execution order, learned on the first forward
         self._order_known = False
         self.gather_stats = {"ready_before_use": 0, "waited": 0}
 
     # ---- set-up ----
+    def _make_groups(self, module: nn.Module, unit: str) -> list[_GatherGroup]:
+        roots = []  # elements of ModuleLists: the blocks
+        if unit == "block":
+            roots = [child for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub]
+        members = {id(root): [] for root in roots}
+        root_of = {id(m): id(root) for root in roots for m in root.modules()}
+        groups = []
+        for u in self._units:
+            root = root_of.get(id(u.module))
+            if root is None:
+                groups.append(_GatherGroup([u]))
+            else:
+                if not members[root]:
+                    groups.append(_GatherGroup(members[root]))  # filled in place below
+                members[root].append(u)
+        for group in groups:
+            for u in group.units:
+                u.group = group
+        return groups
+
     def _shard(self, name: str, sub: nn.Module) -> None:
         full = sub.weight.detach()
         rows = full.shape[0]
@@ -145,41 +187,49 @@ class FSDP(nn.Module):
         return self.module(*args, **kwargs)
 
     # ---- gathering ----
-    def _start_gather(self, unit: _ShardedWeight) -> None:
-        if unit.full is not None or unit.handle is not None:
+    def _start_gather(self, group: _GatherGroup) -> None:
+        if group.gathered:
             return
-        shard = unit.shard.detach()
+        shards = [u.shard.detach() for u in group.units]
         if self.compute_dtype is not None:
-            shard = shard.to(self.compute_dtype)  # cast first: communicate in the compute dtype
-        unit.buffer = torch.empty((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=shard.dtype,
-                                  device=shard.device)
-        unit.handle = comm.all_gather_into(unit.buffer.view(-1), shard.contiguous().view(-1), async_op=True)
+            shards = [t.to(self.compute_dtype) for t in shards]  # cast first: communicate in the compute dtype
+        send = shards[0].reshape(-1) if len(shards) == 1 else torch.cat([t.reshape(-1) for t in shards])
+        group.buffer = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=send.device)
+        group.handle = comm.all_gather_into(group.buffer, send, async_op=True)
 
     def _full_weight(self, unit: _ShardedWeight) -> torch.Tensor:
         if unit.full is None:
-            if unit.handle is None:
-                self._start_gather(unit)
+            group = unit.group
+            if group.handle is None:
+                self._start_gather(group)
             else:
-                self.gather_stats["ready_before_use" if unit.handle.is_completed() else "waited"] += 1
-            unit.handle.wait()
-            unit.handle = None
-            unit.full = unit.buffer[:unit.full_shape[0]]
-            unit.buffer = None
+                self.gather_stats["ready_before_use" if group.handle.is_completed() else "waited"] += 1
+            group.handle.wait()
+            group.handle = None
+            ranks = group.buffer.view(self.world_size, -1)  # (ranks, sum of shard sizes)
+            offset = 0
+            for u in group.units:
+                size = u.shard.numel()
+                rows = ranks[:, offset:offset + size]  # each rank's shard of u, in rank order
+                full = rows.reshape(u.rows_per_rank * self.world_size, *u.full_shape[1:])  # a copy if grouped
+                u.full = full[:u.full_shape[0]]
+                offset += size
+            group.buffer = None
         return unit.full
 
-    def _neighbour(self, unit: _ShardedWeight, step: int) -> _ShardedWeight | None:
+    def _neighbour(self, group: _GatherGroup, step: int) -> _GatherGroup | None:
         if not self._order_known:
             return None
-        position = self._position[id(unit)] + step
+        position = self._position[id(group)] + step
         return self._order[position] if 0 <= position < len(self._order) else None
 
     def acquire(self, unit: _ShardedWeight, backward: bool, prefetch: bool = True) -> torch.Tensor:
-        """The full weight of `unit` (gathered, or waited for), and the next gather launched:
-        the following layer in forward, the previous one in backward."""
-        if not backward and not self._order_known and unit not in self._order:
-            self._order.append(unit)
+        """The full weight of `unit` (gathered with its group, or waited for), and the next group's
+        gather launched: the following one in forward, the previous one in backward."""
+        if not backward and not self._order_known and unit.group not in self._order:
+            self._order.append(unit.group)
         weight = self._full_weight(unit)
-        nxt = self._neighbour(unit, -1 if backward else +1) if prefetch else None
+        nxt = self._neighbour(unit.group, -1 if backward else +1) if prefetch else None
         if nxt is not None:
             self._start_gather(nxt)
         return weight
@@ -223,9 +273,12 @@ class FSDP(nn.Module):
                     flat = flat / self.world_size
                 self._accumulate(unit.shard, flat)
             unit.pending_grad.clear()
-            if unit.handle is not None:  # a prefetch nobody used (e.g. past the first layer)
-                unit.handle.wait()
-            unit.full, unit.buffer, unit.handle = None, None, None
+            unit.full = None
+        for group in self._groups:
+            if group.handle is not None:  # a prefetch nobody used (e.g. past the first layer)
+                group.handle.wait()
+            group.buffer, group.handle = None, None
+        for unit in self._units:
             if unit.shard.requires_grad and unit.shard.grad is None:
                 unit.shard.grad = torch.zeros_like(unit.shard)
         if self.exact_gradients:

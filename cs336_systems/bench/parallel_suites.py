@@ -12,8 +12,9 @@ torch's AdamW; a step counts as long as its slowest rank.
   tensors themselves) and of activations (what one forward saves for backward, SavedTensorLog);
   CUDA peaks after init / before / after the optimizer step; time per step; with AdamW
   unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
-* fsdp: our FSDP (fp32 and --compute-dtype; `fsdp` gathers per block, `fsdp-layer` per weight) against bucketed DDP and torch's FSDP2 (fully_shard,
-  baseline): time per step, peak memory, and how many weight gathers were complete before use.
+* fsdp: our FSDP (fp32 and --compute-dtype; `fsdp` gathers per block, `fsdp-layer` per weight)
+  against bucketed DDP and torch's FSDP2 (fully_shard, baseline): time per step, peak memory, and
+  how many weight gathers were complete before use.
 
     cs336-bench ddp --preset tiny --world-size 2
     torchrun --nproc-per-node 2 -m cs336_systems.bench ddp --preset xl --device cuda

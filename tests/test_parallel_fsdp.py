@@ -126,10 +126,10 @@ def _checkpointing(rank, world_size, unit):
     def counting(fsdp):
         original = fsdp._start_gather
 
-        def start(group):
-            if not group.gathered:
+        def start(group, force=False):
+            if group.handle is None and (force or not group.gathered):
                 counts[-1] += 1
-            original(group)
+            original(group, force)
         fsdp._start_gather = start
 
     for wrap in (None, _checkpoint_blocks):
@@ -183,3 +183,43 @@ def _world_size_one(rank, world_size):
 
 def test_fsdp_world_size_one():
     run_on_ranks(_world_size_one, 1)
+
+
+def _skip_ffn(model):
+    """Block 1's SwiGLU is bypassed: its three weights (trainable) get no gradient in a step."""
+    model.layers[1].ffn.forward = lambda x: torch.zeros_like(x)
+
+
+def _frozen_and_unused(rank, world_size):
+    def freeze(model):
+        model.layers[0].attn.k_proj.weight.requires_grad_(False)
+
+    def prepare(reference):
+        freeze(reference)
+        _skip_ffn(reference)
+
+    torch.manual_seed(0)
+    model = BasicsTransformerLM(**CONFIG)
+    reference = copy.deepcopy(model)
+    prepare(reference)
+    freeze(model)
+    fsdp = FSDP(model)
+    _skip_ffn(fsdp.module)
+    opt = torch.optim.SGD([p for p in fsdp.parameters() if p.requires_grad], lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    for x, y in _batches(2):
+        opt.zero_grad()
+        cross_entropy(fsdp(local_rows(x, rank, world_size)), local_rows(y, rank, world_size)).backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        ref_opt.zero_grad()
+        cross_entropy(reference(x), y).backward()
+        ref_opt.step()
+    full = fsdp_gather_full_params(fsdp)
+    for name, p in reference.named_parameters():
+        _close(full[name], p.detach(), name)
+    assert not any(g for g in (u.group.grads for u in fsdp._units))  # every queued gradient was reduced
+
+
+def test_fsdp_groups_with_frozen_and_gradient_less_weights():
+    run_on_ranks(_frozen_and_unused, 2)

@@ -110,7 +110,7 @@ class _GatherGroup:
     units: list[_ShardedWeight]
     buffer: torch.Tensor | None = None
     handle: object = None
-
+    grads: dict = field(default_factory=dict)  # id(unit) -> padded full gradient, until the group's reduce
     @property
     def gathered(self) -> bool:
         return self.handle is not None or any(u.full is not None for u in self.units)
@@ -187,8 +187,9 @@ class FSDP(nn.Module):
         return self.module(*args, **kwargs)
 
     # ---- gathering ----
-    def _start_gather(self, group: _GatherGroup) -> None:
-        if group.gathered:
+    def _start_gather(self, group: _GatherGroup, force: bool = False) -> None:
+        """Launch the group's all-gather (unless it is in flight, or, for a prefetch, already held)."""
+        if group.handle is not None or (group.gathered and not force):
             return
         shards = [u.shard.detach() for u in group.units]
         if self.compute_dtype is not None:
@@ -200,8 +201,8 @@ class FSDP(nn.Module):
     def _full_weight(self, unit: _ShardedWeight) -> torch.Tensor:
         if unit.full is None:
             group = unit.group
-            if group.handle is None:
-                self._start_gather(group)
+            if group.handle is None:  # other weights of the group may still be held (unused ones): regather
+                self._start_gather(group, force=True)
             else:
                 self.gather_stats["ready_before_use" if group.handle.is_completed() else "waited"] += 1
             group.handle.wait()
@@ -240,12 +241,36 @@ class FSDP(nn.Module):
 
     # ---- gradients ----
     def reduce_weight_gradient(self, unit: _ShardedWeight, full_grad: torch.Tensor) -> None:
-        """Start the averaged reduce-scatter of a full weight gradient (local batch) into the shard."""
+        """Queue a full weight gradient (local batch) for its group's averaged reduce-scatter, which
+        starts once every trainable weight of the group has one (the group's backward is done)."""
+        group = unit.group
         padded = torch.zeros((unit.rows_per_rank * self.world_size, *unit.full_shape[1:]), dtype=full_grad.dtype,
                              device=full_grad.device)
         padded[:unit.full_shape[0]] = full_grad
-        out = torch.empty(unit.shard.numel(), dtype=full_grad.dtype, device=full_grad.device)
-        unit.pending_grad.append((comm.reduce_scatter(out, padded.view(-1), async_op=True), out))
+        if id(unit) in group.grads:  # a weight used twice: its second gradient joins the first
+            group.grads[id(unit)] += padded
+        else:
+            group.grads[id(unit)] = padded
+        if all(id(u) in group.grads for u in group.units if u.shard.requires_grad):
+            self._reduce_group(group)
+
+    def _reduce_group(self, group: _GatherGroup) -> None:
+        """One reduce-scatter for the group: rank r receives, for every weight, its rows of the sum."""
+        units = [u for u in group.units if id(u) in group.grads]
+        if not units:
+            return
+        sizes = [u.shard.numel() for u in units]
+        sample = group.grads[id(units[0])]
+        send = torch.empty((self.world_size, sum(sizes)), dtype=sample.dtype, device=sample.device)
+        offset = 0
+        for u, size in zip(units, sizes):
+            send[:, offset:offset + size] = group.grads[id(u)].view(self.world_size, size)  # rank-major rows
+            offset += size
+        out = torch.empty(sum(sizes), dtype=sample.dtype, device=sample.device)
+        handle = comm.reduce_scatter(out, send.view(-1), async_op=True)
+        for u, piece in zip(units, out.split(sizes)):
+            u.pending_grad.append((handle, piece))
+        group.grads.clear()
 
     def set_shard_gradient(self, unit: _ShardedWeight, full_grad: torch.Tensor) -> None:
         """Exact mode: the full-batch gradient is already known; keep this rank's rows."""
@@ -264,6 +289,8 @@ class FSDP(nn.Module):
             param.grad.add_(grad)
 
     def finish_gradient_synchronization(self) -> None:
+        for group in self._groups:  # groups whose weights did not all get a gradient this step
+            self._reduce_group(group)
         for unit in self._units:
             for handle, flat in unit.pending_grad:
                 if handle is not None:

@@ -4,8 +4,8 @@
 of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate. Parameters, names and the
 state dict are untouched, and the function computed is the same up to rounding (both keep the
 norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
-compose with it. Apply it before `apply_checkpointing` or after: each patches a different
-forward (blocks vs their parts).
+compose with it. Apply it before `apply_checkpointing`: the ffn/attn policies wrap the
+forward a part has at that moment.
 
 Attention is chosen separately (`cs336_systems.attention.use_attention`); the LM head and loss
 by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).

@@ -57,7 +57,7 @@ def test_fused_kernels_verify_under_the_interpreter(tmp_path):
 def test_policy_ladder_follows_the_memory_model(monkeypatch):
     import torch
 
-    from cs336_systems.bench.leaderboard_suite import policy_candidates
+    from cs336_systems.bench.leaderboard_suite import policy_candidates, recompute_flops
     from cs336_systems.config import ModelConfig
     from cs336_systems.memory.model import predict
 
@@ -69,6 +69,10 @@ def test_policy_ladder_follows_the_memory_model(monkeypatch):
     ladder = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
                                attention="triton", fused=True, chunk_tokens=4096)
     assert ladder[0] == "partial:21" and ladder[-2:] == ["every-block", "nested"]
+    # ffn (recompute each SwiGLU) sorts by its recomputed FLOPs between partial:13 and partial:14.
+    flops = {p: recompute_flops(cfg, 1, 32768, p) for p in ("partial:13", "ffn", "partial:14")}
+    assert flops["partial:13"] < flops["ffn"] < flops["partial:14"]
+    assert "ffn" not in ladder  # it recomputes less than partial:21 but is predicted not to fit
     assert policy_candidates(cfg, 1, 32768, torch.device("cpu"), dtype="bf16", state_dtype="bf16",
                              attention="triton", fused=True, chunk_tokens=4096) == ["none"]
 

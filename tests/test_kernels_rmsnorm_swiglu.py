@@ -98,3 +98,28 @@ def test_fused_model_saves_less():
     with SavedTensorLog(model) as fused_log:
         apply_fused_kernels(model)(tokens)
     assert fused_log.total_bytes < plain_log.total_bytes
+
+
+@pytest.mark.parametrize("policy", ["ffn", "partial:1", "every-block"])
+def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
+    import cs336_systems.fused_model as fused_model
+    from cs336_systems.memory.checkpointing import apply_checkpointing
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), device=device)
+
+    def grads(policy_name):
+        torch.manual_seed(0)
+        model = apply_checkpointing(apply_fused_kernels(cfg.build(device=device)), policy_name)
+        model(tokens).square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    plain = grads("none")
+    calls = []
+    real = fused_model.silu_mul
+    monkeypatch.setattr(fused_model, "silu_mul", lambda a, b: calls.append(1) or real(a, b))
+    checkpointed = grads(policy)
+    for a, b in zip(plain, checkpointed):
+        assert torch.equal(a, b)
+    assert len(calls) > cfg.num_layers  # forward and the recomputation both ran our fused gate

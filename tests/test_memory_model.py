@@ -100,6 +100,8 @@ def test_peak_walk_places_the_worst_point():
     assert start_of_backward <= none.peak <= start_of_backward + last_block
     # With every block checkpointed it is near the end: (almost) every gradient exists.
     assert every.peak > every.parameters + every.optimizer_state + 0.9 * every.gradients
-    for p in (none, every, predict(cfg, 4, 512, policy="every-k:4"), predict(cfg, 4, 512, policy="nested")):
+    ffn = predict(cfg, 4, 512, policy="ffn")
+    assert every.peak < ffn.peak < none.peak
+    for p in (none, every, ffn, predict(cfg, 4, 512, policy="every-k:4"), predict(cfg, 4, 512, policy="nested")):
         assert p.peak <= p.sum_of_parts
     assert predict(cfg, 4, 512, policy="nested").peak == predict(cfg, 4, 512, policy="nested").sum_of_parts

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 
 import torch
@@ -76,12 +77,30 @@ def add_arguments(parser) -> None:
     add_common_arguments(parser)
 
 
+def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> float:
+    """Forward FLOPs a policy adds to the step (matmuls and causal attention of what it recomputes)."""
+    tokens, d, f, n = batch * seq, cfg.d_model, cfg.d_ff, cfg.num_layers
+    ffn = 2 * tokens * 3 * d * f
+    block = 2 * tokens * 4 * d * d + ffn + 2 * batch * seq * seq * d  # projections, SwiGLU, attention (causal)
+    name, arg = parse_policy(policy)
+    if name == "none":
+        return 0.0
+    if name == "ffn":
+        return n * ffn
+    if name == "partial":
+        return min(arg, n) * block
+    if name == "nested":
+        return math.ceil(math.log2(max(n, 2))) * n * block / 2
+    return n * block  # every-block, every-k:K, sqrt: one extra forward
+
+
 def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
                       attention: str, fused: bool, chunk_tokens: int) -> list[str]:
-    """Policies from least to most recompute, starting at the first the memory model says fits in
-    FIT_FRACTION of the free memory: none, partial:1 .. partial:N-1, every-block, nested."""
+    """Policies from least to most recomputed FLOPs (none, ffn, partial:1 .. partial:N-1, every-block,
+    nested), starting at the first the memory model says fits in FIT_FRACTION of the free memory."""
     n = cfg.num_layers
-    ladder = ["none"] + [f"partial:{m}" for m in range(1, n)] + ["every-block", "nested"]
+    ladder = sorted(["none", "ffn", *(f"partial:{m}" for m in range(1, n)), "every-block", "nested"],
+                    key=lambda p: recompute_flops(cfg, batch, seq, p))
     if device.type != "cuda":
         return ladder[:1]
     free, _ = torch.cuda.mem_get_info(device)

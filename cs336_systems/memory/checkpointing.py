@@ -104,7 +104,8 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
     if name in ("ffn", "attn"):
         for block in blocks:
             part = block.ffn if name == "ffn" else block.attn
-            part.forward = types.MethodType(_checkpointed_forward(type(part).forward), part)
+            # The part's current forward (our fused SwiGLU, if installed first), recomputed in backward.
+            part.forward = lambda x, own=part.forward: _checkpointed(own, x)
         return model
     if name == "partial":
         for block in blocks[:min(parse_policy(policy)[1], len(blocks))]:

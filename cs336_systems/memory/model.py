@@ -161,35 +161,37 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
     return math.ceil(n / k) * boundary + k * block + head
 
 
-def _groups(policy: str, n: int) -> list[tuple[int, bool]] | None:
-    """(blocks, checkpointed) per group in forward order, for the policies the walk covers; else None."""
+def _groups(policy: str, n: int, block: int, boundary: int, ffn: int) -> list[tuple[int, int, int]] | None:
+    """(blocks, bytes kept after forward, bytes live during its backward) per group in forward order,
+    for the policies the walk covers; None for nested and attn (the sum of parts bounds them)."""
     name, arg = parse_policy(policy)
     if name == "none":
-        return [(1, False)] * n
+        return [(1, block, block)] * n
     if name == "partial":
         m = min(arg, n)
-        return [(1, True)] * m + [(1, False)] * (n - m)
+        return [(1, boundary, block)] * m + [(1, block, block)] * (n - m)
+    if name == "ffn":  # the SwiGLU's activations are recomputed inside each block's backward
+        return [(1, block - ffn, block)] * n
     k = group_size(policy, n)
-    if k is None:  # nested, ffn, attn: no walk; the sum of parts bounds them
+    if k is None:
         return None
-    return [(min(k, n - i), True) for i in range(0, n, k)]
+    return [(min(k, n - i), boundary, min(k, n - i) * block) for i in range(0, n, k)]
 
 
-def _backward_walk(groups, block: int, boundary: int, block_grads: int, head_saved: int, logits: int,
-                   head_grads: int, embedding_grads: int, transient: int = 0) -> int:
+def _backward_walk(groups, block_grads: int, head_saved: int, logits: int, head_grads: int, embedding_grads: int,
+                   transient: int = 0) -> int:
     """Largest activations + gradients + logits alive at once during one step (parameters and
     optimizer state excluded), at three kinds of point: the start of backward (all that forward
     kept, the logits and their gradient, the LM head's gradient); the backward of each group, from
-    the last (what earlier groups kept, this group's activations, recomputed if it was
+    the last (what earlier groups kept, this group's activations, recomputed where it was
     checkpointed, the gradients of this and every later group, and one block's backward transients);
     and the end (every gradient)."""
-    kept = [boundary if ckpt else k * block for k, ckpt in groups]
+    kept = [g[1] for g in groups]
     worst = sum(kept) + head_saved + logits + head_grads
     grads_after = head_grads
     for i in range(len(groups) - 1, -1, -1):
-        k, ckpt = groups[i]
+        k, _, live_here = groups[i]
         grads_after += k * block_grads
-        live_here = k * block if ckpt else kept[i]
         worst = max(worst, sum(kept[:i]) + live_here + grads_after + transient)
     return max(worst, grads_after + embedding_grads)
 
@@ -220,15 +222,16 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     activations = activation_bytes(cfg, batch, seq, policy, attention, dtype, fused, loss)
     params, states = n_params * e, optimizer_states * n_params * state_e
     grads = params if with_gradients else 0
-    groups = _groups(policy, cfg.num_layers)
+    block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
+    groups = _groups(policy, cfg.num_layers, block, boundary_bytes(cfg, batch, seq, dtype),
+                     ffn_activation_bytes(cfg, batch, seq, dtype, fused))
     if groups is None:
         peak = params + states + grads + activations + logits
     else:
         g = e if with_gradients else 0
         d = cfg.d_model
         peak = params + states + _backward_walk(
-            groups, block_activation_bytes(cfg, batch, seq, attention, dtype, fused),
-            boundary_bytes(cfg, batch, seq, dtype), (4 * d * d + 3 * d * cfg.d_ff + 2 * d) * g,
+            groups, (4 * d * d + 3 * d * cfg.d_ff + 2 * d) * g,
             head_and_loss_bytes(cfg, batch, seq, dtype, fused, loss), logits, (cfg.vocab_size + 1) * d * g,
             cfg.vocab_size * d * g, block_backward_transient_bytes(cfg, batch, seq, attention, dtype))
     return MemoryPrediction(parameters=params, gradients=grads, optimizer_state=states, activations=activations,

@@ -1,7 +1,8 @@
 """Our fused kernels installed on a built BasicsTransformerLM, from outside.
 
 `apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
-of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate. Parameters, names and the
+of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate; with `rope=True` also every
+`RotaryEmbedding` to the fused RoPE (opt-in until its GPU timing is measured). Parameters, names and the
 state dict are untouched, and the function computed is the same up to rounding (both keep the
 norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
 compose with it. Apply it before `apply_checkpointing`: the ffn/attn policies wrap the
@@ -17,8 +18,9 @@ import types
 
 import torch.nn as nn
 
-from cs336_basics.model import RMSNorm, SwiGLU
+from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_systems.kernels.rmsnorm import rmsnorm
+from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.swiglu import silu_mul
 
 
@@ -30,10 +32,18 @@ def _fused_swiglu_forward(self, x):
     return self.w2(silu_mul(self.w1(x), self.w3(x)))
 
 
-def apply_fused_kernels(model: nn.Module) -> nn.Module:
-    """Install the fused RMSNorm and SwiGLU gate on every such module of `model`; returns `model`."""
+def _fused_rope_forward(self, x, pos_ids):
+    return fused_rope(x, pos_ids, self._freq_cis_cache)
+
+
+def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
+    """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
+    `model`; returns `model`."""
     patched = 0
     for module in model.modules():
+        if rope and isinstance(module, RotaryEmbedding):
+            module.forward = types.MethodType(_fused_rope_forward, module)
+            continue
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rmsnorm_forward, module)
             patched += 1

@@ -2,7 +2,7 @@
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-fp32, tests-fused, attention, attention-full, model, model-compiled, model-triton,
-# model-fused, profile, memory, leaderboard.
+# model-fused, profile, memory, leaderboard, leaderboard-rope.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
 # The machine has no package registry, so the package runs from the checkout (PYTHONPATH) on the
@@ -84,6 +84,13 @@ run_stage() {
         --provider ours --warmup-ms 50 --rep-ms 100 --no-progress --results-dir "$R" 2>&1 | tail -3
       # From an empty Triton cache (a fresh machine has none): command_wall_time is the cold start.
       python3 -m cs336_systems.bench leaderboard --warmup-ms 2000 --rep-ms 30000 --results-dir "$R" 2>&1 | tail -12
+      ;;
+    leaderboard-rope)
+      # Our Triton RoPE on top (opt-in until this run): ours with and without it, back to back.
+      python3 -m cs336_systems.bench leaderboard --provider ours --warmup-ms 2000 --rep-ms 30000 --results-dir "$R" \
+        2>&1 | tail -6
+      python3 -m cs336_systems.bench leaderboard --provider ours --fused-rope --warmup-ms 2000 --rep-ms 30000 \
+        --results-dir "$R" 2>&1 | tail -6
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \

@@ -81,3 +81,8 @@ def test_unknown_provider_is_refused(capsys):
     with pytest.raises(SystemExit):
         main([*TINY, "--provider", "ours,ddp"])
     assert "--provider" in capsys.readouterr().err
+
+
+def test_fused_rope_needs_the_fused_kernels(tmp_path):
+    with pytest.raises(SystemExit, match="--fused-rope needs --fused on"):
+        main([*TINY, "--fused-rope", "--fused", "off", "--results-dir", str(tmp_path)])

@@ -123,3 +123,50 @@ def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
     for a, b in zip(plain, checkpointed):
         assert torch.equal(a, b)
     assert len(calls) > cfg.num_layers  # forward and the recomputation both ran our fused gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,positions", [((2, 3, 17, 16), "arange"), ((1, 5, 8), "offset"),
+                                             ((4, 33, 64), "random")])
+def test_rope_matches_reference(shape, positions, dtype):
+    from cs336_basics.model import RotaryEmbedding
+    from cs336_systems.kernels.rope import rope, rope_reference
+
+    device = kernel_device()
+    torch.manual_seed(2)
+    seq, dim = shape[-2], shape[-1]
+    cache = RotaryEmbedding(64, dim)._freq_cis_cache.to(device)
+    pos = {"arange": torch.arange(seq), "offset": torch.arange(seq) + 50,
+           "random": torch.randint(0, 64, (shape[0], seq))}[positions].to(device)
+    x, dy = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    ref, (ref_dx,) = _grads(lambda a: rope_reference(a, pos, cache.double()), x.double(), grad_out=dy.double())
+    ours, (dx,) = _grads(lambda a: rope(a, pos, cache.to(dtype)), x.to(dtype), grad_out=dy)
+    low, (low_dx,) = _grads(lambda a: rope_reference(a, pos, cache.to(dtype)), x.to(dtype), grad_out=dy)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    assert_within_budget("y", ours, ref, low)
+    assert_within_budget("dx", dx, ref_dx, low_dx)
+
+
+def test_rope_bad_inputs():
+    from cs336_systems.kernels.rope import rope
+
+    with pytest.raises(ValueError, match="cache must be"):
+        rope(torch.ones(2, 4, 8), torch.arange(4), torch.ones(2, 16, 3))
+    with pytest.raises(TypeError, match="integers"):
+        rope(torch.ones(2, 4, 8), torch.arange(4.0), torch.ones(2, 16, 4))
+
+
+def test_fused_model_with_rope_computes_the_same_function():
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=24)
+    torch.manual_seed(0)
+    plain = cfg.build(device=device)
+    torch.manual_seed(0)
+    fused = apply_fused_kernels(cfg.build(device=device), rope=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    out_plain, out_fused = plain(tokens), fused(tokens)
+    torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -65,6 +65,8 @@ def add_arguments(parser) -> None:
                         help="default: triton on CUDA, pytorch-flash on CPU")
     parser.add_argument("--fused", choices=["on", "off"], default=None,
                         help="our Triton RMSNorm and SwiGLU gate (default on for CUDA, off on CPU)")
+    parser.add_argument("--fused-rope", action="store_true",
+                        help="also our Triton RoPE (opt-in until measured on the GPU; needs --fused on)")
     parser.add_argument("--checkpoint", default="auto",
                         help="auto, or a policy: none, every-block, every-k:K, partial:M, nested, ...")
     parser.add_argument("--optimizer", choices=["fused", "cs336"], default=None,
@@ -121,13 +123,13 @@ def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
     return model.ln_final(h)
 
 
-def _build(cfg, device, dtype, policy, fused):
+def _build(cfg, device, dtype, policy, fused, fused_rope=False):
     torch.manual_seed(0)
     model = cfg.build(device=device, dtype=dtype)
     if fused:
         from cs336_systems.fused_model import apply_fused_kernels
 
-        apply_fused_kernels(model)
+        apply_fused_kernels(model, rope=fused_rope)
     return apply_checkpointing(model, policy)
 
 
@@ -154,14 +156,14 @@ def _training_step(optimizer, forward, loss_fn, phase):
     return step
 
 
-def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused) -> dict[str, float]:
+def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused, fused_rope=False) -> dict[str, float]:
     """Relative errors (vs an fp64 plain step) of our step and of the plain step at `dtype`."""
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=device,
                            generator=torch.Generator(device).manual_seed(3))
     targets = torch.roll(tokens, -1, dims=1)
 
     def grads_of(run_dtype, ours: bool):
-        model = _build(cfg, device, run_dtype, policy if ours else "none", fused and ours)
+        model = _build(cfg, device, run_dtype, policy if ours else "none", fused and ours, fused_rope and ours)
         with use_attention(attention if ours else "reference"):
             if ours:
                 loss = lm_head_cross_entropy(hidden_states(model, tokens), model.lm_head.weight, targets,
@@ -218,7 +220,7 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
 
 def _ours(cfg, args, device, tokens, targets, policy, settings):
     dtype = DTYPES[settings["param_dtype"]]
-    model = _build(cfg, device, dtype, policy, settings["fused"])
+    model = _build(cfg, device, dtype, policy, settings["fused"], settings["fused_rope"])
     optimizer = _optimizer(settings["optimizer"], model, DTYPES[settings["state_dtype"]])
 
     def loss_fn(h):
@@ -274,16 +276,21 @@ def run(args) -> int:
     if on_cuda:
         with contextlib.suppress(Exception):  # fewer fragmentation OOMs near the limit; absent in old torch
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    settings = dict(param_dtype=dtype_name, state_dtype=state_name, fused=fused, optimizer=optimizer_kind)
+    if args.fused_rope and not fused:
+        raise SystemExit("--fused-rope needs --fused on")
+    settings = dict(param_dtype=dtype_name, state_dtype=state_name, fused=fused, fused_rope=args.fused_rope,
+                    optimizer=optimizer_kind)
     store = ResultStore("leaderboard", device, args.results_dir)
     base_config = dict(preset=args.preset, context=seq, batch=args.batch, param_dtype=dtype_name,
                        state_dtype=state_name, chunk_tokens=args.chunk_tokens)
-    our_config = base_config | dict(attention=attention, fused=fused, optimizer=optimizer_kind)
+    our_config = base_config | dict(attention=attention, fused=fused, fused_rope=args.fused_rope,
+                                    optimizer=optimizer_kind)
     candidates = ([args.checkpoint] if args.checkpoint != "auto" else policy_candidates(
         cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=attention, fused=fused,
         chunk_tokens=args.chunk_tokens))
     if args.verify:
-        errors = verify(cfg, device, DTYPES[dtype_name], attention, candidates[0], args.chunk_tokens, fused)
+        errors = verify(cfg, device, DTYPES[dtype_name], attention, candidates[0], args.chunk_tokens, fused,
+                        args.fused_rope)
         for metric, value in errors.items():
             store.add(provider="ours" if metric.startswith("ours") else "plain",
                       config=our_config | dict(checkpoint=candidates[0]), metric=metric, unit="", value=value)

@@ -58,7 +58,7 @@ def test_multi_tensor_launch_matches_per_tensor_launches_exactly():
     single, _ = _run(lambda ps: FusedAdamW(ps, multi_tensor=False, **kw), device)
     for a, b in zip(multi, single):
         assert torch.equal(a, b)
-    assert len(opt._block_tables) == 1  # sizes never change: one cached block table
+    assert len(opt._tables_cache) == 1  # the tensors never change: one cached set of launch tables
 
 
 def test_multi_tensor_with_mixed_dtypes_and_missing_gradients():

@@ -28,7 +28,6 @@ logits): the error against an fp64 run may be at most 2x that of the plain step 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 import time
 
@@ -37,7 +36,7 @@ import torch
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import attention_names, use_attention
-from cs336_systems.bench.common import DTYPES, add_common_arguments, is_oom, list_of, positive_int
+from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
@@ -156,6 +155,14 @@ def _training_step(optimizer, forward, loss_fn, phase):
     return step
 
 
+def _timed_and_plain(optimizer, forward, loss_fn):
+    """build(phase) -> (the step with phase ranges, the same step without): what _measure times."""
+    def build(phase):
+        return (_training_step(optimizer, forward, loss_fn, phase),
+                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
+    return build
+
+
 def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused, fused_rope=False) -> dict[str, float]:
     """Relative errors (vs an fp64 plain step) of our step and of the plain step at `dtype`."""
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=device,
@@ -185,17 +192,11 @@ def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused, fused_rop
     return out
 
 
-def _free(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak) -> dict:
     """Time one provider's step; rows for time, tokens/s, MFU, peak memory and phases. Returns a summary."""
     seq, batch = config["context"], config["batch"]
-    _free(device)
+    if device.type == "cuda":  # the peak of the steps, not of the model's build (fp32 init, then the cast)
+        torch.cuda.reset_peak_memory_stats(device)
     ranges = PhaseRanges(device, time=True)
     step, plain_step = build_step(ranges.phase)
     timing = bench_kernel(plain_step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
@@ -226,11 +227,7 @@ def _ours(cfg, args, device, tokens, targets, policy, settings):
     def loss_fn(h):
         return lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=args.chunk_tokens)
 
-    def build(phase):
-        forward = lambda: hidden_states(model, tokens)  # noqa: E731
-        return (_training_step(optimizer, forward, loss_fn, phase),
-                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
-    return build
+    return _timed_and_plain(optimizer, lambda: hidden_states(model, tokens), loss_fn)
 
 
 def _baseline(cfg, args, device, tokens, targets, settings):
@@ -245,11 +242,7 @@ def _baseline(cfg, args, device, tokens, targets, settings):
     def loss_fn(h):
         return chunked_cross_entropy(model, h, targets, args.chunk_tokens)
 
-    def build(phase):
-        forward = lambda: model.hidden(tokens)  # noqa: E731
-        return (_training_step(optimizer, forward, loss_fn, phase),
-                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
-    return build
+    return _timed_and_plain(optimizer, lambda: model.hidden(tokens), loss_fn)
 
 
 def run(args) -> int:
@@ -324,7 +317,7 @@ def run(args) -> int:
                 print(f"{provider}: out of memory with checkpoint policy {policy}; trying the next")
             finally:
                 build = None
-                _free(device)
+                free_memory(device)
     wall = time.perf_counter() - started
     store.add(provider="suite", config=our_config, metric="command_wall_time", unit="s", value=wall)
     import pandas as pd

@@ -10,16 +10,17 @@ Two launch schemes (`multi_tensor`):
 * multi-tensor (default): one launch per (parameter dtype, step count) over *all* parameters
   of a param group. Each program looks up which tensor it works on from a block table
   (tensor index, first element), and that tensor's p/g/m/v addresses from pointer tables
-  (int64 addresses, cast to pointers in the kernel). The block table depends only on the
-  sizes and is cached; the gradient pointer table is rebuilt each step (zero_grad(set_to_none)
-  gives new gradient tensors), one small host-to-device copy. A model with hundreds of small
-  tensors then costs one launch, not hundreds.
-* per tensor: one launch per parameter (the simple version, kept for comparison and tests).
+  (int64 addresses, cast to pointers in the kernel). The block table and the p/m/v tables are
+  cached (keyed by the tensors' addresses); only the gradient table is rebuilt each step
+  (zero_grad(set_to_none) gives new gradient tensors), one small host-to-device copy. A model
+  with hundreds of small tensors then costs one launch, not hundreds.
+* per tensor: the same kernel launched once per parameter (for comparison and tests).
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,34 +31,8 @@ MATHS = ("cs336", "torch")
 BLOCK = 1024
 
 
+@functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def adamw_step_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1, beta2, eps, step_size, bias2_sqrt,
-                          TORCH_MATHS: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-        p = p * decay
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        if TORCH_MATHS:
-            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        else:
-            p = p - step_size * m / (tl.sqrt(v) + eps)
-        tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-        tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
-
-    return adamw_step_kernel
-
-
-def _multi_tensor_kernel():
     import triton
     import triton.language as tl
 
@@ -101,12 +76,8 @@ def _addresses(tensors, device) -> torch.Tensor:
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
 
-_KERNEL = None
-_MULTI_KERNEL = None
-
-
 class FusedAdamW(torch.optim.Optimizer):
-    """AdamW with the update in one Triton kernel per parameter. State keys: m, v, t (as cs336_basics)."""
+    """AdamW with the update in one Triton kernel over a group's parameters. State keys: m, v, t (as cs336_basics)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  *, maths: str = "cs336", state_dtype: torch.dtype = torch.float32, multi_tensor: bool = True):
@@ -118,7 +89,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"FusedAdamW: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         self.maths, self.state_dtype, self.multi_tensor = maths, state_dtype, multi_tensor
-        self._block_tables: dict[tuple, tuple[torch.Tensor, ...]] = {}  # sizes -> (sizes, block tensor, start)
+        self._tables_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # tensor addresses -> launch tables
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -148,10 +119,10 @@ class FusedAdamW(torch.optim.Optimizer):
                     key = (p.device, p.dtype, p.grad.dtype, self.state[p]["t"])
                     batches.setdefault(key, []).append(p)
                 for (_, _, _, t), params in batches.items():
-                    self._multi_tensor_step(params, group, t)
+                    self._launch(params, group, t)
             else:
                 for p in live:
-                    self._single_tensor_step(p, group, self.state[p]["t"])
+                    self._launch([p], group, self.state[p]["t"])
         return loss
 
     def _scalars(self, group, t: int):
@@ -160,39 +131,31 @@ class FusedAdamW(torch.optim.Optimizer):
         step_size = lr / bias1 if self.maths == "torch" else lr * math.sqrt(bias2) / bias1
         return 1 - lr * wd, beta1, beta2, eps, step_size, math.sqrt(bias2)
 
-    def _single_tensor_step(self, p, group, t: int) -> None:
-        global _KERNEL
-        import triton
-
-        if _KERNEL is None:
-            _KERNEL = _kernel()
-        state, n = self.state[p], p.numel()
-        _KERNEL[(triton.cdiv(n, BLOCK),)](p, p.grad, state["m"], state["v"], n, *self._scalars(group, t),
-                                          TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)
-
-    def _multi_tensor_step(self, params, group, t: int) -> None:
-        global _MULTI_KERNEL
-        if _MULTI_KERNEL is None:
-            _MULTI_KERNEL = _multi_tensor_kernel()
-        device = params[0].device
-        key = (device, tuple(p.numel() for p in params))
-        if key not in self._block_tables:
+    def _tables(self, params) -> tuple[torch.Tensor, ...]:
+        """(sizes, block tensor index, block start, p/m/v addresses) of `params`, built once per set of tensors."""
+        states = [self.state[p] for p in params]
+        key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel()) for p, s in zip(params, states))
+        if key not in self._tables_cache:
+            device = params[0].device
             tensor_of_block, start_of_block = [], []
             for i, p in enumerate(params):
                 starts = range(0, p.numel(), BLOCK)
                 tensor_of_block += [i] * len(starts)
                 start_of_block += starts
-            self._block_tables[key] = (
-                torch.tensor(key[1], dtype=torch.int64, device=device),
+            self._tables_cache[key] = (
+                torch.tensor([p.numel() for p in params], dtype=torch.int64, device=device),
                 torch.tensor(tensor_of_block, dtype=torch.int32, device=device),
-                torch.tensor(start_of_block, dtype=torch.int64, device=device))
-        sizes, block_tensor, block_start = self._block_tables[key]
-        states = [self.state[p] for p in params]
+                torch.tensor(start_of_block, dtype=torch.int64, device=device),
+                _addresses(params, device), _addresses([s["m"] for s in states], device),
+                _addresses([s["v"] for s in states], device))
+        return self._tables_cache[key]
+
+    def _launch(self, params, group, t: int) -> None:
+        sizes, block_tensor, block_start, p_addr, m_addr, v_addr = self._tables(params)
         if not block_tensor.numel():
             return
-        _MULTI_KERNEL[(block_tensor.numel(),)](
-            _addresses(params, device), _addresses([p.grad for p in params], device),
-            _addresses([s["m"] for s in states], device), _addresses([s["v"] for s in states], device),
+        _kernel()[(block_tensor.numel(),)](
+            p_addr, _addresses([p.grad for p in params], params[0].device), m_addr, v_addr,
             sizes, block_tensor, block_start, *self._scalars(group, t),
             P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
             S_DTYPE=_tl_dtype(self.state_dtype), TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)

@@ -17,6 +17,8 @@ Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
@@ -33,6 +35,7 @@ def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) 
     return (weight.to(acc) * (xf / rms)).to(x.dtype)
 
 
+@functools.cache
 def _kernels():
     import triton
     import triton.language as tl
@@ -81,16 +84,6 @@ def _kernels():
     return rmsnorm_forward_kernel, rmsnorm_backward_kernel
 
 
-_KERNELS = None
-
-
-def _get_kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    return _KERNELS
-
-
 def _block_d(d: int) -> int:
     import triton
 
@@ -104,7 +97,7 @@ def _num_warps(block_d: int) -> int:
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        forward_kernel, _ = _get_kernels()
+        forward_kernel, _ = _kernels()
         d = x.shape[-1]
         x2d = x.reshape(-1, d).contiguous()  # (rows, d)
         y = torch.empty_like(x2d)
@@ -119,7 +112,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        _, backward_kernel = _get_kernels()
+        _, backward_kernel = _kernels()
         x2d, weight, rstd = ctx.saved_tensors
         rows, d = x2d.shape
         dy = grad_y.reshape(rows, d).contiguous()

@@ -15,6 +15,8 @@ Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
@@ -29,6 +31,7 @@ def rope_reference(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) 
     return torch.stack((cos * x1 - sin * x2, sin * x1 + cos * x2), dim=-1).flatten(-2).to(x.dtype)
 
 
+@functools.cache
 def _kernel():
     import triton
     import triton.language as tl
@@ -52,21 +55,15 @@ def _kernel():
     return rope_kernel
 
 
-_KERNEL = None
-
-
 def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
-    global _KERNEL
     import triton
 
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     x = x.contiguous()
     out = torch.empty_like(x)
     half = x.shape[-1] // 2
     n_rows = pos.numel()
     if n_rows:
-        _KERNEL[(triton.cdiv(n_rows, BLOCK_R),)](x, pos, cache, out, n_rows, half, cache.shape[1], SIGN=sign,
+        _kernel()[(triton.cdiv(n_rows, BLOCK_R),)](x, pos, cache, out, n_rows, half, cache.shape[1], SIGN=sign,
                                                  BLOCK_R=BLOCK_R, BLOCK_H=triton.next_power_of_2(half))
     return out
 

@@ -13,6 +13,8 @@ Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
@@ -24,6 +26,7 @@ def silu_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a * torch.sigmoid(a) * b
 
 
+@functools.cache
 def _kernels():
     import triton
     import triton.language as tl
@@ -51,16 +54,6 @@ def _kernels():
     return silu_mul_forward_kernel, silu_mul_backward_kernel
 
 
-_KERNELS = None
-
-
-def _get_kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    return _KERNELS
-
-
 def _grid(n: int):
     return ((n + BLOCK - 1) // BLOCK,)
 
@@ -68,7 +61,7 @@ def _grid(n: int):
 class SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
-        forward_kernel, _ = _get_kernels()
+        forward_kernel, _ = _kernels()
         a, b = a.contiguous(), b.contiguous()
         y = torch.empty_like(a)
         if a.numel():
@@ -78,7 +71,7 @@ class SiluMulFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        _, backward_kernel = _get_kernels()
+        _, backward_kernel = _kernels()
         a, b = ctx.saved_tensors
         dy = grad_y.contiguous()
         da, db = torch.empty_like(a), torch.empty_like(b)

@@ -146,20 +146,15 @@ class FSDP(nn.Module):
 
     # ---- set-up ----
     def _make_groups(self, module: nn.Module, unit: str) -> list[_GatherGroup]:
-        roots = []  # elements of ModuleLists: the blocks
-        if unit == "block":
-            roots = [child for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub]
-        members = {id(root): [] for root in roots}
+        """One group per ModuleList element (a block) holding sharded weights, one per other weight;
+        in the order of their first weight."""
+        roots = [child for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub] \
+            if unit == "block" else []
         root_of = {id(m): id(root) for root in roots for m in root.modules()}
-        groups = []
+        members: dict[int, list[_ShardedWeight]] = {}  # group key -> its weights, in insertion order
         for u in self._units:
-            root = root_of.get(id(u.module))
-            if root is None:
-                groups.append(_GatherGroup([u]))
-            else:
-                if not members[root]:
-                    groups.append(_GatherGroup(members[root]))  # filled in place below
-                members[root].append(u)
+            members.setdefault(root_of.get(id(u.module), id(u)), []).append(u)
+        groups = [_GatherGroup(units) for units in members.values()]
         for group in groups:
             for u in group.units:
                 u.group = group

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from cs336_systems.report.document import Code, Document, Figure, Heading, Paragraph, Table
+from cs336_systems.report.document import Document, Heading, Paragraph, Table
 from cs336_systems.report.sections import SECTIONS, Results
 
 
@@ -57,8 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / 'report.md'}, {args.out / 'report.html'} and {len(list(figures.iterdir()))} figures")
     return 0
 
-
-__all__ = ["Code", "Figure", "build", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, tests-fused, attention, attention-full, model, model-compiled, model-triton,
-# model-fused, profile, memory, leaderboard, leaderboard-rope.
+# Stages: env, tests, tests-fp32, tests-fused, attention, attention-train, attention-full, attention-tune, model,
+# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
 # The machine has no package registry, so the package runs from the checkout (PYTHONPATH) on the
@@ -32,6 +32,14 @@ run_stage() {
       python3 -m cs336_systems.bench attention --sweep flash --seq 1024,4096,8192,16384,32768,65536 --d 64,128 \
         --dtype bf16 --provider naive,triton,sdpa-flash,sdpa-cudnn --rep-ms 50 --no-progress --results-dir "$R" \
         --plot "$R/attention_tflops.png" 2>&1 | tail -45
+      ;;
+    attention-train)
+      python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
+        --rep-ms 50 --no-progress --results-dir "$R" 2>&1 | tail -40
+      ;;
+    attention-tune)
+      # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).
+      python3 -m cs336_systems.bench attention-tune --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
     attention-full)
       python3 -m cs336_systems.bench attention --sweep flash --rep-ms 40 --no-progress --results-dir "$R" \
@@ -72,6 +80,11 @@ run_stage() {
         --results-dir "$R" 2>&1 | tail -16
       python3 -m cs336_systems.bench memory search --preset xl --context 512 --batch 4 --steps 2 \
         --policies none,every-block --results-dir "$R" 2>&1 | tail -6
+      python3 -m cs336_systems.bench model --preset xl --context 128,2048 --dtype fp32,bf16 \
+        --mode forward,train-step --memory --warmup 1 --steps 2 --no-progress --results-dir "$R" 2>&1 | tail -14
+      ;;
+    memory-profile)
+      # The memory_profiling table alone (forward-only and full-step peaks, timelines).
       python3 -m cs336_systems.bench model --preset xl --context 128,2048 --dtype fp32,bf16 \
         --mode forward,train-step --memory --warmup 1 --steps 2 --no-progress --results-dir "$R" 2>&1 | tail -14
       ;;

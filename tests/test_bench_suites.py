@@ -65,3 +65,30 @@ def test_parallel_suites_two_ranks(tmp_path, suite, extra, metrics):
 def test_collectives_rejects_bad_sizes():
     with pytest.raises(SystemExit, match="--sizes-mb"):
         main(["collectives", "--device", "cpu", "--sizes-mb", "0"])
+
+
+def test_attention_tuning_space_respects_the_causal_split():
+    from cs336_systems.bench.attention_tuning import tuning_space
+
+    for kernel, outer, inner in (("forward", 0, 1), ("dq", 0, 1), ("dkdv", 1, 0)):
+        space = tuning_space(kernel)
+        assert len(space) == len(set(space)) > 20
+        assert all(c[outer] % c[inner] == 0 for c in space), kernel
+
+
+def test_attention_tuning_times_each_kernel_config_under_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["attention-tune", "--device", "cpu", "--shape", "1x2x40x16", "--limit", "1", "--rep-ms", "1",
+                 "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    rows = load_rows(tmp_path / "attention-tune.jsonl")
+    timed = {r["config"]["kernel"]: r for r in rows if r["metric"] == "time" and r["status"] == "ok"}
+    assert {"forward", "dkdv", "dq", "preprocess", "fwd"} <= set(timed)
+    assert all(timed[k]["median"] > 0 for k in ("forward", "dkdv", "dq"))
+    assert (timed["dkdv"]["config"]["block_n"], timed["dkdv"]["config"]["num_stages"]) == (64, 2)
+    assert any(r["metric"] == "autotune_choice" and r["config"]["kernel"] == "forward" for r in rows)
+
+
+def test_attention_tuning_refuses_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit, match="CUDA device"):
+        main(["attention-tune", "--device", "cpu"])

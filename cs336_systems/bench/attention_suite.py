@@ -206,7 +206,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
 def _measure(p: str, fn, q, k, v, grad_out, args):
     device = q.device
     memory = {}
-    handout = args.sweep == "handout"
+    handout = getattr(args, "sweep", None) == "handout"
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if p == "fwd":

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from cs336_systems.bench import (
     attention_suite,
+    attention_tuning,
     collectives_suite,
     leaderboard_suite,
     memory_suite,
@@ -18,6 +19,7 @@ from cs336_systems.bench import (
 
 SUITES = {
     "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
+    "attention-tune": (attention_tuning, "every tile config of each FlashAttention kernel, timed alone"),
     "model": (model_suite, "time forward / forward-backward / train-step of the LM (sweeps, profiling)"),
     "collectives": (collectives_suite, "all-reduce / all-gather / reduce-scatter timings and bandwidth"),
     "ddp": (SimpleNamespace(add_arguments=parallel_suites.add_ddp_arguments, run=parallel_suites.run_ddp,

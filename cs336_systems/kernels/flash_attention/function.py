@@ -13,6 +13,7 @@ it to bf16 would put errors of several percent into the recomputed P.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -69,8 +70,32 @@ def _launch_shape(q: torch.Tensor, k: torch.Tensor):
     return block_d, block_d == head_dim, precision, buckets
 
 
-def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """Returns O (like q) and L (fp32, q.shape[:-1])."""
+@dataclass
+class KernelLaunch:
+    """One kernel's arguments, compile-time flags and grid (a function of the chosen tile sizes).
+
+    `flash_forward` / `flash_backward` launch these through the autotuned kernels; the tuning
+    suite (`cs336-bench attention-tune`) launches the same arguments with explicit configs.
+    """
+
+    kernel: object  # a triton Autotuner; `.fn` is the bare JITFunction
+    args: tuple
+    flags: dict
+    grid: object  # meta -> grid tuple
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.flags)
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        """The bare kernel launched with one explicit config (no autotuning)."""
+        def launch():
+            self.kernel.fn[self.grid](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      num_warps=num_warps, num_stages=num_stages)
+        return launch
+
+
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs."""
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -79,28 +104,35 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E / math.sqrt(head_dim)
+    args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+            heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
+    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    launch = KernelLaunch(flash_forward_kernel, args, flags,
+                          lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    return launch, out, lse
 
-    def grid(meta):
-        return (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads)
 
-    flash_forward_kernel[grid](
-        q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
-        heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket,
-        IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """Returns O (like q) and L (fp32, q.shape[:-1])."""
+    launch, out, lse = forward_launch(q, k, v, is_causal)
+    launch()
     return out, lse
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool):
-    """Two-pass Triton backward. Returns (dq, dk, dv) in the inputs' dtypes and shapes."""
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool):
+    """(preprocess, dK/dV pass, dQ pass, (dq, dk, dv)): three launches in order, and their outputs."""
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     delta = torch.empty_like(lse)
     preprocess_rows = 64
-    flash_preprocess_kernel[(triton.cdiv(n_queries, preprocess_rows), batch * heads)](
-        o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
-        BLOCK_M=preprocess_rows, BLOCK_D=block_d)
+
+    def preprocess():
+        flash_preprocess_kernel[(triton.cdiv(n_queries, preprocess_rows), batch * heads)](
+            o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
+            BLOCK_M=preprocess_rows, BLOCK_D=block_d)
+
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous: the kernels store densely
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
@@ -109,11 +141,20 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool):
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
-    flash_dkdv_kernel[lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)](
-        *common, dk, dv, *strides, *sizes, **flags)
-    flash_dq_kernel[lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads)](
-        *common, dq, *strides, *sizes, **flags)
-    return dq, dk, dv
+    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk, dv, *strides, *sizes), flags,
+                        lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads))
+    dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq, *strides, *sizes), flags,
+                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    return preprocess, dkdv, dq_pass, (dq, dk, dv)
+
+
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool):
+    """Two-pass Triton backward. Returns (dq, dk, dv) in the inputs' dtypes and shapes."""
+    preprocess, dkdv, dq_pass, grads = backward_launches(q, k, v, out, lse, grad_out, is_causal)
+    preprocess()
+    dkdv()
+    dq_pass()
+    return grads
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -161,4 +202,6 @@ def chosen_configs() -> dict[str, dict]:
     chosen = {}
     for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel)):
         chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
+        if not chosen[name] and len(kernel.configs) == 1:  # one candidate (the interpreter): never tuned
+            chosen[name] = {"every key": str(kernel.configs[0])}
     return chosen

@@ -1,0 +1,231 @@
+"""The `attention-tune` suite: every candidate tile config of each FlashAttention kernel, timed alone.
+
+The kernels' own autotune lists are kept short so a cold cache compiles in seconds; this suite is
+where their entries come from. For each shape it times the forward kernel, the dK/dV pass and the
+dQ pass over a wide space (tile sizes x warps x pipeline stages), beside SDPA's cuDNN and flash
+backends' forward and backward in the same run, and prints the best configs and what the best
+forward + backward would add up to.
+
+Compiling ~150 configs one after another takes minutes, so `--compile-workers` processes launch
+each config once first (Triton's on-disk cache keeps the binaries); the timing process then loads
+them from the cache and times one kernel at a time on an otherwise idle GPU.
+
+Rows (suite `attention-tune`): provider `triton` with config {shape, kernel, block_m, block_n,
+num_warps, num_stages} and metrics time (ms) and tflops (the FLOPs that kernel executes: forward
+4*B*H*N^2*d/2 for causal; the dK/dV pass 2x that (four products), the dQ pass 1.5x (three));
+failed compiles (out of shared memory) are rows with status `unsupported`. Baselines: provider
+`sdpa-cudnn` / `sdpa-flash` with kernel `fwd` / `bwd`, and `triton` with kernel `fwd` / `bwd` for
+the autotuned kernels as shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import itertools
+import multiprocessing
+import os
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, list_of
+from cs336_systems.bench.results import ResultStore, format_table
+from cs336_systems.kernels._triton_utils import interpreting
+from cs336_systems.profiling.flops import attention_flops
+from cs336_systems.profiling.timing import bench_kernel
+
+KERNELS = ("forward", "dkdv", "dq")
+# Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0).
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5}
+WARPS, STAGES = (4, 8), (2, 3, 4, 5)
+# (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
+# (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
+TILES = {
+    "forward": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
+    "dkdv": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
+    "dq": [(64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64), (128, 128)],
+}
+DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
+
+
+def tuning_space(kernel: str) -> list[tuple[int, int, int, int]]:
+    """(block_m, block_n, num_warps, num_stages) candidates for one kernel."""
+    return [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(TILES[kernel], WARPS, STAGES)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--shape: got {text!r}; expected BATCHxHEADSxSEQxD, e.g. 1x32x32768x128")
+    return shape
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", type=list_of(parse_shape, name="--shape"), default=list_of(parse_shape)(
+        DEFAULT_SHAPES), help=f"comma-separated BATCHxHEADSxSEQxD (default {DEFAULT_SHAPES})")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    parser.add_argument("--causal", choices=["on", "off"], default="on")
+    parser.add_argument("--kernel", type=list_of(str, KERNELS, "--kernel"), default=list(KERNELS),
+                        help=f"comma-separated from: {', '.join(KERNELS)}")
+    parser.add_argument("--compile-workers", type=int, default=min(12, os.cpu_count() or 1),
+                        help="processes that compile the configs in parallel before timing (0: compile while timing)")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per config")
+    parser.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up time per config")
+    parser.add_argument("--top", type=int, default=5, help="configs shown per kernel in the printed table")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="time only the first N configs of each kernel (smoke runs, e.g. under the interpreter)")
+    add_common_arguments(parser)
+
+
+def _inputs(shape, dtype_name: str, causal: bool, device):
+    """Random q, k, v, dO and the forward's O, L (the backward kernels read them)."""
+    from cs336_systems.kernels.flash_attention.function import flash_forward
+
+    torch.manual_seed(0)
+    q, k, v, grad_out = (torch.randn(*shape, device=device, dtype=DTYPES[dtype_name]) for _ in range(4))
+    out, lse = flash_forward(q, k, v, causal)
+    return q, k, v, out, lse, grad_out
+
+
+def _launches(inputs, causal: bool) -> dict:
+    """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
+    from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
+
+    q, k, v, out, lse, grad_out = inputs
+    forward, _, _ = forward_launch(q, k, v, causal)
+    preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
+    preprocess()  # D, read by both backward passes
+    return dict(forward=forward, dkdv=dkdv, dq=dq, preprocess=preprocess)
+
+
+def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
+    """Launch each (kernel, config) once so its binary lands in Triton's cache; (job, error or None)."""
+    device = torch.device("cuda")  # workers only run on CUDA machines (see _precompile)
+    launches = _launches(_inputs(shape, dtype_name, causal, device), causal)
+    results = []
+    for kernel, config in jobs:
+        try:
+            launches[kernel].with_config(*config)()
+            torch.cuda.synchronize()
+            results.append(((kernel, config), None))
+        except Exception as error:  # out of shared memory / registers: recorded, not fatal
+            results.append(((kernel, config), (str(error).splitlines() or [type(error).__name__])[0][:200]))
+    return results
+
+
+def _precompile(shape, args, jobs) -> dict:
+    if args.compile_workers <= 0 or not jobs or args.device.type != "cuda":
+        return {}
+    chunks = [jobs[i::args.compile_workers] for i in range(args.compile_workers)]
+    errors = {}
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with futures.ProcessPoolExecutor(max_workers=args.compile_workers, mp_context=context) as pool:
+        pending = [pool.submit(_compile_worker, shape, args.dtype, args.causal == "on", c) for c in chunks if c]
+        for done in tqdm(futures.as_completed(pending), total=len(pending), desc=f"compile {shape}",
+                         disable=args.no_progress):
+            errors.update(dict(done.result()))
+    return errors
+
+
+def run(args) -> int:
+    if args.device.type != "cuda" and not interpreting():
+        raise SystemExit("attention-tune: the kernels are timed on a CUDA device; got --device "
+                         f"{args.device} (run the tests under TRITON_INTERPRET=1 for CPU checks)")
+    from cs336_systems.bench.attention_suite import _attention_fn, _measure
+
+    causal = args.causal == "on"
+    store = ResultStore("attention-tune", args.device, args.results_dir)
+    for shape in args.shape:
+        batch, heads, seq, d = shape
+        base = dict(batch=batch, heads=heads, seq=seq, d=d, dtype=args.dtype, causal=causal)
+        flops_fwd = attention_flops(batch, heads, seq, seq, d, causal=causal)
+        jobs = [(kernel, config) for kernel in args.kernel for config in tuning_space(kernel)[:args.limit]]
+        errors = _precompile(shape, args, jobs)
+        free_memory(args.device)
+        launches = _launches(_inputs(shape, args.dtype, causal, args.device), causal)
+        timing = bench_kernel(launches["preprocess"], device=args.device, warmup_ms=args.warmup_ms,
+                              rep_ms=args.rep_ms)
+        store.add(provider="triton", config=base | dict(kernel="preprocess"), metric="time", unit="ms",
+                  stats=timing.stats())
+        for kernel, config in tqdm(jobs, desc=f"time {shape}", disable=args.no_progress):
+            row = base | dict(kernel=kernel, block_m=config[0], block_n=config[1], num_warps=config[2],
+                              num_stages=config[3])
+            error = errors.get((kernel, config))
+            if error is None:
+                try:
+                    timing = bench_kernel(launches[kernel].with_config(*config), device=args.device,
+                                          warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+                except Exception as failure:
+                    error = (str(failure).splitlines() or [type(failure).__name__])[0][:200]
+            if error is not None:
+                store.add(provider="triton", config=row, metric="time", unit="ms", status="unsupported",
+                          message=error)
+                continue
+            store.add(provider="triton", config=row, metric="time", unit="ms", stats=timing.stats())
+            store.add(provider="triton", config=row, metric="tflops", unit="TFLOP/s",
+                      value=flops_fwd * KERNEL_FLOP_FACTOR[kernel] / (timing.median / 1e3) / 1e12)
+        launches = None
+        _time_whole_passes(shape, base, args, store, _attention_fn, _measure)
+    _print_summary(store.frame(), args)
+    print(f"\nrows appended to {store.path}")
+    return 0
+
+
+def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
+    """Forward and backward of the shipped (autotuned) kernel and of SDPA's backends, in this run."""
+    for provider in ("triton", "sdpa-cudnn", "sdpa-flash"):
+        fn = attention_fn(provider, base["causal"])
+        for p in ("fwd", "bwd"):
+            free_memory(args.device)
+            try:
+                q, k, v = (torch.randn(*shape, device=args.device, dtype=DTYPES[args.dtype], requires_grad=True)
+                           for _ in range(3))
+                timing, _ = measure(p, fn, q, k, v, torch.randn_like(q), args)
+                store.add(provider=provider, config=base | dict(kernel=p), metric="time", unit="ms",
+                          stats=timing.stats())
+            except Exception as error:
+                store.add(provider=provider, config=base | dict(kernel=p), metric="time", unit="ms",
+                          status="unsupported", message=(str(error).splitlines() or ["error"])[0][:200])
+            finally:
+                q = k = v = None
+    from cs336_systems.kernels.flash_attention.function import chosen_configs
+
+    for kernel, choices in chosen_configs().items():
+        for key, config in choices.items():
+            store.add(provider="triton", config=base | dict(kernel=kernel, tuning_key=key),
+                      metric="autotune_choice", unit="config", message=config)
+
+
+def best_configs(frame: pd.DataFrame):
+    """Per shape and kernel, the configs ranked by median time (fastest first), grouped."""
+    times = frame[(frame["metric"] == "time") & (frame["status"] == "ok") & frame["kernel"].isin(KERNELS)]
+    keys = ["batch", "heads", "seq", "d", "dtype", "causal", "kernel"]
+    return times.sort_values([*keys, "median"]).groupby(keys, sort=False)
+
+
+def _print_summary(frame: pd.DataFrame, args) -> None:
+    if frame.empty:
+        return
+    fmt = "latex" if args.latex else "markdown"
+    cols = ["seq", "d", "kernel", "block_m", "block_n", "num_warps", "num_stages", "median"]
+    ranked = best_configs(frame)
+    print(format_table(ranked.head(args.top)[cols].round(3), fmt))
+    # What the best of each kernel adds up to, against the whole passes timed in the same run.
+    times = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
+    summary = []
+    for (batch, heads, seq, d), group in times.groupby(["batch", "heads", "seq", "d"]):
+        best = group[group["kernel"].isin(KERNELS)].groupby("kernel")["median"].min()
+        whole = group[group["kernel"].isin(["fwd", "bwd", "preprocess"])].set_index(["provider", "kernel"])["median"]
+        best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + whole.get(("triton", "preprocess"),
+                                                                                              0.0)
+        summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"), best_bwd=best_bwd,
+                            shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
+                            cudnn_fwd=whole.get(("sdpa-cudnn", "fwd")), cudnn_bwd=whole.get(("sdpa-cudnn", "bwd")),
+                            flash_fwd=whole.get(("sdpa-flash", "fwd")), flash_bwd=whole.get(("sdpa-flash", "bwd"))))
+    print("\nmedian ms: best config per kernel vs the shipped autotuned kernels and SDPA, same run")
+    print(format_table(pd.DataFrame(summary).round(3), fmt))

@@ -82,13 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
 
 
-def _inputs(shape, dtype_name: str, causal: bool, device):
-    """Random q, k, v, dO and the forward's O, L (the backward kernels read them)."""
+def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = True):
+    """Random q, k, v, dO and the forward's O, L (the backward kernels read them). Compile-only
+    workers take random O and L instead: running the forward would autotune it in every worker."""
     from cs336_systems.kernels.flash_attention.function import flash_forward
 
     torch.manual_seed(0)
     q, k, v, grad_out = (torch.randn(*shape, device=device, dtype=DTYPES[dtype_name]) for _ in range(4))
-    out, lse = flash_forward(q, k, v, causal)
+    if real_forward:
+        out, lse = flash_forward(q, k, v, causal)
+    else:
+        out, lse = torch.randn_like(q), torch.rand(shape[:-1], device=device) + 10.0
     return q, k, v, out, lse, grad_out
 
 
@@ -106,7 +110,7 @@ def _launches(inputs, causal: bool) -> dict:
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
     """Launch each (kernel, config) once so its binary lands in Triton's cache; (job, error or None)."""
     device = torch.device("cuda")  # workers only run on CUDA machines (see _precompile)
-    launches = _launches(_inputs(shape, dtype_name, causal, device), causal)
+    launches = _launches(_inputs(shape, dtype_name, causal, device, real_forward=False), causal)
     results = []
     for kernel, config in jobs:
         try:

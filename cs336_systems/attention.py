@@ -8,6 +8,8 @@ the model stays ignorant of it. Unknown names raise and list the valid ones.
 * compile: the reference under torch.compile.
 * pytorch-flash: our tiled pure-PyTorch FlashAttention-2 (slow; any device).
 * triton: our Triton FlashAttention-2 (forward and two-pass backward).
+* triton-fused-bwd: Triton forward, one-pass Triton backward (dQ reduced in fp32 across key tiles;
+  fewer FLOPs, not bitwise reproducible).
 * triton-compile-bwd: Triton forward, torch.compile'd PyTorch backward.
 
 The flash implementations carry `causal_without_mask = True`, so the model hands them
@@ -66,8 +68,8 @@ def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool
 def _triton(backward: str) -> AttentionFn:
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward),
-                  "triton" if backward == "triton" else "triton-compile-bwd")
+    name = {"triton": "triton", "fused": "triton-fused-bwd", "compile": "triton-compile-bwd"}[backward]
+    return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name)
 
 
 @functools.cache
@@ -87,6 +89,7 @@ _REGISTRY: dict[str, Callable[[], AttentionFn]] = {
     "compile": _compiled_reference,
     "pytorch-flash": _pytorch_flash,
     "triton": lambda: _triton("triton"),
+    "triton-fused-bwd": lambda: _triton("fused"),
     "triton-compile-bwd": lambda: _triton("compile"),
 }
 

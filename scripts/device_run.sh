@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, tests-fused, attention, attention-train, attention-full, attention-tune, model,
+# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
@@ -39,7 +39,8 @@ run_stage() {
       ;;
     attention-tune)
       # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).
-      python3 -m cs336_systems.bench attention-tune --no-progress --results-dir "$R" 2>&1 | tail -45
+      python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,dkdv,dq,fused}" \
+        --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
     attention-full)
       python3 -m cs336_systems.bench attention --sweep flash --rep-ms 40 --no-progress --results-dir "$R" \
@@ -49,6 +50,10 @@ run_stage() {
     tests-fused)
       python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels_rmsnorm_swiglu.py tests/test_memory_model.py \
         tests/test_kernels_adamw.py tests/test_kernels_cross_entropy.py 2>&1 | tee "$OUT/tests_fused.log" | tail -8
+      ;;
+    tests-attention-fused)
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        tests/test_attention_registry.py -k "fused or registry" 2>&1 | tee "$OUT/tests_attention_fused.log" | tail -8
       ;;
     tests-fp32)
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
@@ -96,7 +101,9 @@ run_stage() {
       python3 -m cs336_systems.bench leaderboard --preset tiny --context 256 --verify --param-dtype bf16 \
         --provider ours --warmup-ms 50 --rep-ms 100 --no-progress --results-dir "$R" 2>&1 | tail -3
       # From an empty Triton cache (a fresh machine has none): command_wall_time is the cold start.
-      python3 -m cs336_systems.bench leaderboard --warmup-ms 2000 --rep-ms 30000 --results-dir "$R" 2>&1 | tail -12
+      # LEADERBOARD_ARGS: extra options for the 8B run (e.g. --attention triton-fused-bwd --fused-rope).
+      python3 -m cs336_systems.bench leaderboard --warmup-ms 2000 --rep-ms 30000 ${LEADERBOARD_ARGS:-} \
+        --results-dir "$R" 2>&1 | tail -12
       ;;
     leaderboard-rope)
       # Our Triton RoPE on top (opt-in until this run): ours with and without it, back to back.

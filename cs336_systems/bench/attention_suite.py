@@ -2,7 +2,7 @@
 
 Handout problems: pytorch_attention (sweep `handout`), torch_compile (a) (the `naive-compiled`
 provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (sweep
-`train`). Providers: ours -- `triton`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
+`train`). Providers: ours -- `triton`, `triton-fused-bwd`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
 small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
 
@@ -28,7 +28,7 @@ from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, time_fn
 
-OURS = ("triton", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
+OURS = ("triton", "triton-fused-bwd", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
 BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 PROVIDERS = OURS + BASELINES
 PASSES = ("fwd", "bwd", "fwd-bwd")
@@ -55,11 +55,12 @@ SWEEPS = {
     # flash_benchmarking: batch 1, causal, seq 128..65536, d 16..128, bf16 and fp32.
     # heads=1 (4-D) so SDPA's flash and cuDNN backends accept the inputs; the FLOPs are the same.
     "flash": dict(batch=1, heads=1, seq=[2**i for i in range(7, 17)], d=[16, 32, 64, 128], dtype=["bf16", "fp32"],
-                  causal=True, provider=["naive", "pytorch-flash", "triton", "triton-compile-bwd", "sdpa-flash",
-                                         "sdpa-efficient", "sdpa-cudnn"]),
+                  causal=True, provider=["naive", "pytorch-flash", "triton", "triton-fused-bwd", "triton-compile-bwd",
+                                         "sdpa-flash", "sdpa-efficient", "sdpa-cudnn"]),
     # Multi-head training shapes (the leaderboard's attention is the last).
     "train": dict(shapes=[(4, 32, 16384, 64), (1, 32, 32768, 128), (2, 16, 16384, 128), (4, 32, 4096, 64)],
-                  dtype=["bf16"], causal=True, provider=["triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]),
+                  dtype=["bf16"], causal=True, provider=["triton", "triton-fused-bwd", "sdpa-flash", "sdpa-cudnn",
+                                                         "sdpa-efficient"]),
 }
 
 
@@ -105,10 +106,10 @@ def cases(args) -> list[AttentionCase]:
 
 def _attention_fn(provider: str, causal: bool):
     """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
-    if provider in ("triton", "triton-compile-bwd"):
+    if provider in ("triton", "triton-fused-bwd", "triton-compile-bwd"):
         from cs336_systems.kernels.flash_attention.function import flash_attention
 
-        backward = "triton" if provider == "triton" else "compile"
+        backward = {"triton": "triton", "triton-fused-bwd": "fused", "triton-compile-bwd": "compile"}[provider]
         return lambda q, k, v: flash_attention(q, k, v, causal, backward=backward)
     if provider == "pytorch-flash":
         from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
@@ -263,10 +264,11 @@ def _print_table(store: ResultStore, args) -> None:
     table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
     print("median ms per call")
     print(format_table(table, fmt))
-    ratio = speedups(frame)
-    if not ratio.empty and any("speed-up" in c for c in ratio.columns):
-        cols = keys + [c for c in ratio.columns if "speed-up" in c]
-        print("\nspeed-up of our Triton kernel (baseline time / ours)")
-        print(format_table(ratio[cols].round(3), fmt))
+    for ours in ("triton", "triton-fused-bwd"):
+        ratio = speedups(frame, ours)
+        if not ratio.empty and any("speed-up" in c for c in ratio.columns):
+            cols = keys + [c for c in ratio.columns if "speed-up" in c]
+            print(f"\nspeed-up of {ours} (baseline time / ours)")
+            print(format_table(ratio[cols].round(3), fmt))
     print(f"\nrows appended to {store.path}")
 

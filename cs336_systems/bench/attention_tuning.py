@@ -28,6 +28,7 @@ import os
 
 import pandas as pd
 import torch
+import triton
 from tqdm import tqdm
 
 from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, list_of
@@ -36,9 +37,10 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "dkdv", "dq")
-# Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0).
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5}
+KERNELS = ("forward", "dkdv", "dq", "fused")
+# Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
+# the one-pass backward (dK/dV plus dQ reduced in fp32: five products).
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -46,6 +48,7 @@ TILES = {
     "forward": [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)],
     "dkdv": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
     "dq": [(64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64), (128, 128)],
+    "fused": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
 }
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
@@ -103,8 +106,10 @@ def _launches(inputs, causal: bool) -> dict:
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
-    preprocess()  # D, read by both backward passes
-    return dict(forward=forward, dkdv=dkdv, dq=dq, preprocess=preprocess)
+    fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
+    preprocess()  # D, read by the backward kernels (each launch set has its own)
+    fused_preprocess()
+    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess)
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
@@ -182,7 +187,7 @@ def run(args) -> int:
 
 def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
     """Forward and backward of the shipped (autotuned) kernel and of SDPA's backends, in this run."""
-    for provider in ("triton", "sdpa-cudnn", "sdpa-flash"):
+    for provider in ("triton", "triton-fused-bwd", "sdpa-cudnn", "sdpa-flash"):
         fn = attention_fn(provider, base["causal"])
         for p in ("fwd", "bwd"):
             free_memory(args.device)
@@ -199,8 +204,12 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
                 q = k = v = None
     from cs336_systems.kernels.flash_attention.function import chosen_configs
 
+    shape_key = f"({triton.next_power_of_2(base['seq'])}, {triton.next_power_of_2(base['seq'])}, " \
+                f"{max(16, triton.next_power_of_2(base['d']))},"
     for kernel, choices in chosen_configs().items():
         for key, config in choices.items():
+            if not (key.startswith(shape_key) or key == "every key"):
+                continue
             store.add(provider="triton", config=base | dict(kernel=kernel, tuning_key=key),
                       metric="autotune_choice", unit="config", message=config)
 
@@ -225,10 +234,12 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
     for (batch, heads, seq, d), group in times.groupby(["batch", "heads", "seq", "d"]):
         best = group[group["kernel"].isin(KERNELS)].groupby("kernel")["median"].min()
         whole = group[group["kernel"].isin(["fwd", "bwd", "preprocess"])].set_index(["provider", "kernel"])["median"]
-        best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + whole.get(("triton", "preprocess"),
-                                                                                              0.0)
+        preprocess = whole.get(("triton", "preprocess"), 0.0)
+        best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + preprocess
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"), best_bwd=best_bwd,
+                            best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
+                            shipped_fused_bwd=whole.get(("triton-fused-bwd", "bwd")),
                             cudnn_fwd=whole.get(("sdpa-cudnn", "fwd")), cudnn_bwd=whole.get(("sdpa-cudnn", "bwd")),
                             flash_fwd=whole.get(("sdpa-flash", "fwd")), flash_bwd=whole.get(("sdpa-flash", "bwd"))))
     print("\nmedian ms: best config per kernel vs the shipped autotuned kernels and SDPA, same run")

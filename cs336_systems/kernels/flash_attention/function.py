@@ -21,6 +21,7 @@ import triton
 from cs336_systems.kernels._triton_utils import check_kernel_device
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
+    flash_bwd_fused_kernel,
     flash_dkdv_kernel,
     flash_dq_kernel,
     flash_preprocess_kernel,
@@ -29,7 +30,7 @@ from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_k
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-BACKWARD_IMPLS = ("triton", "compile")
+BACKWARD_IMPLS = ("triton", "fused", "compile")
 
 
 def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -119,8 +120,31 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse
 
 
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool):
-    """(preprocess, dK/dV pass, dQ pass, (dq, dk, dv)): three launches in order, and their outputs."""
+def _dq_reduce_mode(device: torch.device) -> int:
+    """2: TMA descriptor reduce-add (Hopper and later); 1: pointer atomics (older GPUs, the interpreter)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        _install_descriptor_allocator()
+        return 2
+    return 1
+
+
+_allocator_installed = False
+
+
+def _install_descriptor_allocator():
+    """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it."""
+    global _allocator_installed
+    if not _allocator_installed:
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_installed = True
+
+
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False):
+    """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
+
+    fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
+    and finish() scales and casts that buffer.
+    """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -133,28 +157,43 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool):
             o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
             BLOCK_M=preprocess_rows, BLOCK_D=block_d)
 
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)  # contiguous: the kernels store densely
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)  # contiguous: the kernels store densely
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     sm_scale = 1.0 / math.sqrt(head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
-    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk, dv, *strides, *sizes), flags,
-                        lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads))
+
+    def key_grid(meta):
+        return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
+
+    if fused:
+        dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
+        dkdv = KernelLaunch(flash_bwd_fused_kernel, (*common, dk, dv, dq_accum, *strides, *sizes),
+                            flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
+
+        def finish():
+            dq = (dq_accum[..., :head_dim] * sm_scale).to(q.dtype)  # (batch*heads, n_queries, head_dim)
+            return dq.view(q.shape), dk, dv
+
+        return preprocess, dkdv, None, finish
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk, dv, None, *strides, *sizes), flags | dict(DQ_REDUCE=0),
+                        key_grid)
     dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq, *strides, *sizes), flags,
                            lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
-    return preprocess, dkdv, dq_pass, (dq, dk, dv)
+    return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool):
-    """Two-pass Triton backward. Returns (dq, dk, dv) in the inputs' dtypes and shapes."""
-    preprocess, dkdv, dq_pass, grads = backward_launches(q, k, v, out, lse, grad_out, is_causal)
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False):
+    """Triton backward (two passes, or one with fused=True). Returns (dq, dk, dv) like the inputs."""
+    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, grad_out, is_causal, fused)
     preprocess()
     dkdv()
-    dq_pass()
-    return grads
+    if dq_pass is not None:
+        dq_pass()
+    return finish()
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -188,10 +227,23 @@ class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
         return dq, dk, dv, None
 
 
+class FlashAttentionTritonFused(FlashAttentionTriton):
+    """Triton forward; one-pass Triton backward with dQ reduced in fp32 (not bitwise reproducible)."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=True)
+        return dq, dk, dv, None
+
+
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
-    """Our Triton FlashAttention-2. backward: "triton" (two passes) or "compile" (torch.compile'd PyTorch)."""
+    """Our Triton FlashAttention-2. backward: "triton" (two deterministic passes), "fused" (one pass,
+    dQ reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
     if backward == "triton":
         return FlashAttentionTriton.apply(q, k, v, is_causal)
+    if backward == "fused":
+        return FlashAttentionTritonFused.apply(q, k, v, is_causal)
     if backward == "compile":
         return FlashAttentionTritonCompiledBackward.apply(q, k, v, is_causal)
     raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
@@ -200,7 +252,8 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
 def chosen_configs() -> dict[str, dict]:
     """The autotuner's choices so far: kernel -> {tuning key: 'BLOCK_M=.., BLOCK_N=.., warps, stages'}."""
     chosen = {}
-    for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel)):
+    for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel),
+                         ("fused", flash_bwd_fused_kernel)):
         chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
         if not chosen[name] and len(kernel.configs) == 1:  # one candidate (the interpreter): never tuned
             chosen[name] = {"every key": str(kernel.configs[0])}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as futures
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -37,10 +38,11 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "dkdv", "dq", "fused")
+KERNELS = ("forward", "dkdv", "dq", "fused", "fused-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
-# the one-pass backward (dK/dV plus dQ reduced in fp32: five products).
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5}
+# the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
+# Hopper), `fused-atomic` the same with pointer atomics for the reduction.
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5, "fused-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -50,6 +52,7 @@ TILES = {
     "dq": [(64, 16), (64, 32), (64, 64), (128, 16), (128, 32), (128, 64), (128, 128)],
     "fused": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
 }
+TILES["fused-atomic"] = TILES["fused"]
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
@@ -109,7 +112,8 @@ def _launches(inputs, causal: bool) -> dict:
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
     preprocess()  # D, read by the backward kernels (each launch set has its own)
     fused_preprocess()
-    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess)
+    fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
+    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess, **{"fused-atomic": fused_atomic})
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:

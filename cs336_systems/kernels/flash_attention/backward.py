@@ -158,14 +158,16 @@ def _dq_configs():
                                  (64, 16, 4, 2))]
 
 
-def _prune_backward(divisible_by: str, divides: str):
-    """Keep configs whose tile sizes nest (needed by the causal loop split) and that fit on chip."""
+def _prune_backward(divisible_by: str, divides: str, wide_max_tile: int = 32 * 64):
+    """Keep configs whose tile sizes nest (needed by the causal loop split) and that fit on chip: wide
+    heads (d 256, or fp32 at d 128) take BLOCK_M x BLOCK_N <= wide_max_tile (the fused pass holds one
+    more tile of dQ in shared memory: (32, 64) overflowed the H200's 227 KiB by 2 KiB at d 256)."""
 
     def prune(configs, named_args, **kwargs):
         head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
         kept = [c for c in configs if c.kwargs[divisible_by] % c.kwargs[divides] == 0
-                and (not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 32 * 64)]
+                and (not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= wide_max_tile)]
         kept = kept or configs[-1:]
         return kept if autotune_enabled() else kept[:1]  # configs are listed best-first
 
@@ -250,7 +252,7 @@ flash_dkdv_kernel = triton.autotune(
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
     configs=_fused_configs(), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
-    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M")})(_dkdv_kernel)
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", wide_max_tile=16 * 64)})(_dkdv_kernel)
 
 
 @triton.autotune(configs=_dq_configs(), key=_BACKWARD_KEY,

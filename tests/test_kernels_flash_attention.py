@@ -239,3 +239,24 @@ def test_triton_memory_is_linear_in_sequence_length(backward):
     # O, dQ, dK, dV, L and D (and the fused pass's fp32 dQ): a few (n x d) tensors; an (n x n) bf16
     # buffer would be 512 MiB.
     assert extra < 16 * n * d * 2, f"extra {extra / 2**20:.1f} MiB"
+
+
+def test_descriptor_allocator_is_installed_per_thread():
+    """Triton keeps its allocator in a ContextVar: autograd's backward thread must get one too."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    from cs336_systems.kernels.flash_attention.function import _descriptor_scratch, _install_descriptor_allocator
+
+    seen = []
+
+    def worker():
+        _install_descriptor_allocator()
+        seen.append(_allocation._allocator.get())
+
+    _install_descriptor_allocator()  # here first: a fresh thread still starts from the null allocator
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [_descriptor_scratch]

@@ -259,7 +259,8 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
         doc.add(Paragraph(f"Targets (seq >= 8192, d 64/128, fwd+bwd): at least 1.3x SDPA-flash on {ok_flash} of "
                           f"{len(fb)} shapes, at least 0.9x cuDNN on {ok_cudnn} of {len(fb)} (range "
                           f"{fb['speed-up vs sdpa-cudnn'].min():.2f}-{fb['speed-up vs sdpa-cudnn'].max():.2f}x). "
-                          "The backward is the weaker half: two passes that each recompute P."))
+                          "The backward is the weaker half: two passes that each recompute P (a one-pass "
+                          "variant is measured below)."))
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
                     & (att["d"] == 128)], ["batch", "heads", "seq", "d", "pass"])
     if not tf.empty:
@@ -276,6 +277,46 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
                       "peak allocated GiB, fwd+bwd, batch 1, d 128: ours grows linearly with seq, naive "
                       "quadratically"))
     r.missing.append(("flash_benchmarking", "the full flash sweep incl. fp32 and d 16/32 (`--sweep flash`, GPU)"))
+
+
+def attention_tuning(doc: Document, r: Results) -> None:
+    doc.add(Heading("FlashAttention tile configs and the one-pass backward"))
+    tune = r.frame("attention-tune")
+    if tune.empty:
+        return r.note_missing(doc, "attention tuning", "`cs336-bench attention-tune` rows (GPU)")
+    shape = ["batch", "heads", "seq", "d"]
+    times = latest(tune[tune["metric"] == "time"], ["provider", *shape, "kernel", "block_m", "block_n",
+                                                    "num_warps", "num_stages"])
+    kernels = times[times["kernel"].isin(["forward", "dkdv", "dq", "fused", "fused-atomic"])]
+    ok = kernels[kernels["status"] == "ok"]
+    best = ok.sort_values("median").groupby([*shape, "kernel"], as_index=False).first()
+    counts = kernels.groupby([*shape, "kernel"]).agg(timed=("status", lambda x: int((x == "ok").sum())),
+                                                      failed=("status", lambda x: int((x != "ok").sum())))
+    best = best.merge(counts.reset_index(), on=[*shape, "kernel"])
+    best["config (BLOCK_M, BLOCK_N, warps, stages)"] = [
+        f"{int(a)}, {int(b)}, {int(c)}, {int(d)}" for a, b, c, d in
+        zip(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])]
+    best["best ms"] = best["median"].round(2)
+    doc.add(Paragraph("`cs336-bench attention-tune` times every candidate config of each kernel alone (bf16, "
+                      "causal; tile sizes x warps {4, 8} x stages {2..5}); the kernels' short autotune lists "
+                      "hold these winners. `fused` is the one-pass backward with dQ reduced by TMA "
+                      "reduce-add, `fused-atomic` the same with pointer atomics. " + environment(kernels)))
+    doc.add(Table(best[[*shape, "kernel", "config (BLOCK_M, BLOCK_N, warps, stages)", "best ms", "timed",
+                        "failed"]], "fastest config per kernel"))
+    whole = times[times["kernel"].isin(["fwd", "bwd", "preprocess"]) & (times["status"] == "ok")]
+    if not whole.empty:
+        wide = whole.pivot_table(index=[*shape, "kernel"], columns="provider", values="median").reset_index()
+        doc.add(Table(wide.round(2), "whole passes in the same runs, median ms (triton: as shipped, autotuned)"))
+    two = best[best["kernel"].isin(["dkdv", "dq"])].groupby(shape)["median"].sum()
+    one = best[best["kernel"] == "fused"].set_index(shape)["median"]
+    both = pd.concat([two.rename("two"), one.rename("one")], axis=1).dropna()
+    if not both.empty:
+        parts = [f"{'x'.join(map(str, k))}: {row.one:.1f} ms vs {row.two:.1f} ms" for k, row in both.iterrows()]
+        doc.add(Paragraph("One pass (5 products, dQ reduced across key tiles) against two passes (7 products, no "
+                          "atomics), best configs each: " + "; ".join(parts) + ". Saving the dQ pass's "
+                          "recomputation does not pay in Triton on the H200: the extra dS transpose and the dQ "
+                          "tile in shared memory cost the occupancy the two-pass kernels keep, so the "
+                          "deterministic two-pass backward stays the default."))
 
 
 def torch_compile_model(doc: Document, r: Results) -> None:
@@ -539,5 +580,6 @@ def implementations(doc: Document, r: Results) -> None:
 
 
 SECTIONS = (benchmarking_script, nsys_profile, mixed_precision_accumulation, memory_profiling, attention_benchmarks,
+            attention_tuning,
             torch_compile_model, checkpointing_and_memory_model, distributed_communication, ddp, sharding_and_fsdp,
             communication_accounting, fused_model_path, leaderboard, implementations)

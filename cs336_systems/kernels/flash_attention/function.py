@@ -128,15 +128,18 @@ def _dq_reduce_mode(device: torch.device) -> int:
     return 1
 
 
-_allocator_installed = False
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _install_descriptor_allocator():
-    """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it."""
-    global _allocator_installed
-    if not _allocator_installed:
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_installed = True
+    """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it.
+    Triton keeps the allocator in a ContextVar, so it is set in every thread that launches (autograd runs
+    backward in its own thread); an allocator the caller set is left alone."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
 
 
 def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False):

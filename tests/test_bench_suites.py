@@ -92,3 +92,19 @@ def test_attention_tuning_refuses_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(SystemExit, match="CUDA device"):
         main(["attention-tune", "--device", "cpu"])
+
+
+def test_attention_naive_compiled_times_every_pass_and_resets_per_case(tmp_path, monkeypatch):
+    """The handout sweep's compiled provider: the retained-graph backward runs (no donated buffers), and
+    dynamo starts fresh per case, so a long sweep never falls back to eager at the recompile limit."""
+    import torch._dynamo
+
+    resets = []
+    real_reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (resets.append(1), real_reset()))
+    assert main(["attention", "--device", "cpu", "--seq", "16,24", "--d", "8", "--provider", "naive-compiled",
+                 "--causal", "off", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    rows = load_rows(tmp_path / "attention.jsonl")
+    times = [r for r in rows if r["metric"] == "time"]
+    assert len(times) == 6 and all(r["status"] == "ok" for r in times), [r["message"] for r in times]
+    assert len(resets) == 2

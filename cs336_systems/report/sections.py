@@ -234,13 +234,17 @@ def memory_profiling(doc: Document, r: Results) -> None:
 def attention_benchmarks(doc: Document, r: Results) -> None:
     doc.add(Heading("pytorch_attention, torch_compile (a), flash_benchmarking"))
     att = r.frame("attention")
-    handout = att[(att["batch"] == 8) & (att["heads"] == 1)] if not att.empty else att
+    att = att[att["device"] == "cuda"] if not att.empty else att
+    handout = att[(att["batch"] == 8) & (att["heads"] == 0)] if not att.empty else att
     if handout.empty:
         r.note_missing(doc, "pytorch_attention", "the handout sweep (batch 8, d 16..128, seq 256..16384, naive "
                        "eager vs compiled; `cs336-bench attention --sweep handout`, GPU)")
+    else:
+        _handout_attention(doc, r, handout)
     if att.empty:
         return r.note_missing(doc, "flash_benchmarking", "attention rows (GPU)")
-    t = latest(att[att["metric"] == "time"], ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
+    t = latest(att[(att["metric"] == "time") & (att["heads"] > 0)],
+               ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
     big = t[(t["seq"] >= 8192) & (t["status"] == "ok")]
     wide = big.pivot_table(index=["batch", "heads", "seq", "d", "pass"], columns="provider",
                            values="median").reset_index()
@@ -277,6 +281,47 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
                       "peak allocated GiB, fwd+bwd, batch 1, d 128: ours grows linearly with seq, naive "
                       "quadratically"))
     r.missing.append(("flash_benchmarking", "the full flash sweep incl. fp32 and d 16/32 (`--sweep flash`, GPU)"))
+
+
+def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None:
+    """pytorch_attention / torch_compile (a): 100 forward and 100 backward passes of the naive attention."""
+    keys = ["provider", "seq", "d", "pass", "metric"]
+    rows = latest(handout[handout["metric"].isin(["time", "memory_before_backward"])], keys)
+    table = None
+    for provider in ("naive", "naive-compiled"):
+        mine = rows[rows["provider"] == provider]
+        if mine.empty:
+            continue
+        cells = {}
+        for (seq, d), group in mine.groupby(["seq", "d"]):
+            get = {(p, m): (v, st) for p, m, v, st in zip(group["pass"], group["metric"], group["median"],
+                                                           group["status"])}
+            row = {}
+            for label, key in (("fwd ms", ("fwd", "time")), ("bwd ms", ("bwd", "time")),
+                               ("GiB before bwd", ("bwd", "memory_before_backward"))):
+                value, status = get.get(key, (None, "-"))
+                row[f"{provider} {label}"] = f"{value:.2f}" if status == "ok" and value is not None else status
+            cells[(seq, d)] = row
+        part = pd.DataFrame.from_dict(cells, orient="index")
+        part.index = part.index.set_names(["seq", "d"])
+        table = part if table is None else table.join(part, how="outer")
+    doc.add(Paragraph("`cs336-bench attention --sweep handout`: batch 8, 3-D inputs (no heads), fp32, not causal; "
+                      "the time of one pass (median of 100 after 5 warm-up) and the memory in use before the "
+                      "backward. " + environment(rows)))
+    doc.add(Table(table.reset_index(), "naive attention, eager and compiled"))
+    if "naive-compiled" not in set(rows["provider"]):
+        r.note_missing(doc, "torch_compile (a)", "the compiled column of the handout sweep (rows measured before "
+                       "the recompile-limit fix were dropped; re-run `--sweep handout`, GPU)")
+    mem = rows[(rows["provider"] == "naive") & (rows["metric"] == "memory_before_backward")
+               & (rows["status"] == "ok")]
+    if not mem.empty:
+        top = mem.sort_values("median").iloc[-1]
+        oom = rows[(rows["provider"] == "naive") & (rows["status"] == "oom")]
+        fits = ("none ran out of memory" if oom.empty else
+                f"out of memory from seq {int(oom['seq'].min())} ({len(oom)} rows)")
+        doc.add(Paragraph(f"Memory before the backward grows with seq^2 (the saved (batch, seq, seq) scores and "
+                          f"softmax): {top['median']:.1f} GiB at seq {int(top['seq'])}, d {int(top['d'])}; "
+                          f"{fits}."))
 
 
 def attention_tuning(doc: Document, r: Results) -> None:

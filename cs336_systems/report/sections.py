@@ -202,11 +202,11 @@ def memory_profiling(doc: Document, r: Results) -> None:
                           "forward,train-step --memory` (batch 4, reference attention, no checkpointing). Peak "
                           "allocated GiB per phase. " + environment(peaks)))
         doc.add(Table(wide.round(2)))
-        doc.add(Paragraph("The --memory recording follows the timed steps of every mode, so the forward-mode rows "
-                          "also hold the AdamW state (and the bf16 autocast weight copies) created by the timed "
-                          "train steps: read them as forward peaks in a training process, not of a fresh model. The "
-                          "train-step peak is at the end of backward/optimizer: parameters, gradients and both "
-                          "moments (16 bytes per parameter, 32 GB for xl) dominate at context 128."))
+        doc.add(Paragraph("Each mode is recorded right after its own timed steps, so the forward rows hold the "
+                          "parameters (fp32: 4 bytes each) and the forward's activations (plus, under bf16 autocast, "
+                          "the bf16 weight copies), no gradients or AdamW state. The train-step peak is at the end "
+                          "of backward/optimizer: parameters, gradients and both moments (16 bytes per parameter) "
+                          "dominate at context 128."))
         ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == 2048)]
         if not ooms.empty:
             cases = sorted({f"{d} {m}" for d, m in zip(ooms["dtype"], ooms["mode"])})

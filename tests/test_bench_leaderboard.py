@@ -68,11 +68,24 @@ def test_policy_ladder_follows_the_memory_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(2 * free)))
     ladder = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
                                attention="triton", fused=True, chunk_tokens=4096)
-    assert ladder[0] == "partial:21" and ladder[-2:] == ["every-block", "nested"]
+    def fits(policy):
+        return predict(cfg, 1, 32768, policy=policy, **kw).peak < 0.92 * free
+
+    # The first rung is the least recompute that fits: a +keep-attn variant (no attention recomputed)
+    # with a few more checkpointed blocks beats partial:21.
+    first = ladder[0]
+    assert fits(first) and first.endswith("+keep-attn")
+    assert recompute_flops(cfg, 1, 32768, first) < recompute_flops(cfg, 1, 32768, "partial:21")
+    assert fits("partial:21") and not fits("partial:20") and "partial:21" in ladder
+    checkpointed = int(first.removesuffix("+keep-attn").partition(":")[2])
+    assert not fits(f"partial:{checkpointed - 1}+keep-attn")  # one block fewer does not fit
+    assert ladder[-2:] == ["every-block", "nested"] and ladder.index("every-block+keep-attn") < len(ladder) - 2
     # ffn (recompute each SwiGLU) sorts by its recomputed FLOPs between partial:13 and partial:14.
     flops = {p: recompute_flops(cfg, 1, 32768, p) for p in ("partial:13", "ffn", "partial:14")}
     assert flops["partial:13"] < flops["ffn"] < flops["partial:14"]
-    assert "ffn" not in ladder  # it recomputes less than partial:21 but is predicted not to fit
+    assert "ffn" not in ladder  # predicted to need more memory than the first rung: no fallback
+    first_peak = predict(cfg, 1, 32768, policy=first, **kw).peak
+    assert all(predict(cfg, 1, 32768, policy=p, **kw).peak < first_peak for p in ladder[1:])
     assert policy_candidates(cfg, 1, 32768, torch.device("cpu"), dtype="bf16", state_dtype="bf16",
                              attention="triton", fused=True, chunk_tokens=4096) == ["none"]
 

@@ -69,3 +69,85 @@ def test_policy_parsing():
         parse_policy("all")
     with pytest.raises(ValueError, match="positive group size"):
         parse_policy("every-k:0")
+
+
+# ---- +keep-attn: selective checkpointing that keeps our attention's outputs ----
+
+def _triton_grads(policy, counter, layers=3):
+    from cs336_systems.attention import use_attention
+
+    counter[0] = 0
+    torch.manual_seed(0)
+    model = ModelConfig.from_name("tiny", num_layers=layers, context_length=32).build()
+    apply_checkpointing(model, policy)
+    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+    with use_attention("triton"):
+        loss = cross_entropy(model(tokens), tokens)
+        forwards = counter[0]
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, forwards, counter[0] - forwards
+
+
+@pytest.fixture
+def attention_forward_calls(monkeypatch):
+    """Counts our attention's forward kernel launches (under the interpreter on CPU)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from cs336_systems.kernels.flash_attention import function
+
+    counter = [0]
+    real = function.flash_forward
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(function, "flash_forward", counted)
+    return counter
+
+
+@pytest.mark.parametrize("policy", ["every-block", "every-k:2", "partial:2", "sqrt"])
+def test_keep_attn_skips_the_attention_recompute_with_identical_gradients(policy, attention_forward_calls):
+    counter = attention_forward_calls
+    loss, grads, fwd, bwd = _triton_grads("none", counter)
+    assert (fwd, bwd) == (3, 0)
+    loss_p, grads_p, fwd_p, bwd_p = _triton_grads(policy, counter)
+    recomputed = 3 if policy != "partial:2" else 2
+    assert (fwd_p, bwd_p) == (3, recomputed)  # plain checkpointing runs the attention again
+    loss_k, grads_k, fwd_k, bwd_k = _triton_grads(policy + "+keep-attn", counter)
+    assert (fwd_k, bwd_k) == (3, 0)  # kept: no attention forward in backward
+    assert torch.equal(loss, loss_k) and torch.equal(loss_p, loss_k)
+    for name in grads:
+        assert torch.equal(grads_p[name], grads_k[name]), name
+        torch.testing.assert_close(grads[name], grads_k[name], rtol=1e-6, atol=1e-7)
+
+
+def test_keep_attn_holds_the_attention_outputs_of_checkpointed_blocks():
+    from cs336_systems.attention import use_attention
+
+    def held(policy):
+        torch.manual_seed(0)
+        cfg = ModelConfig.from_name("tiny", num_layers=4, context_length=64)
+        model = apply_checkpointing(cfg.build(), policy)
+        tokens = torch.randint(0, 512, (2, 64))
+        with use_attention("triton"):
+            return retained_bytes(lambda: model(tokens).sum())[1], cfg
+
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs our Triton attention under the interpreter")
+    plain, cfg = held("every-block")
+    kept, _ = held("every-block+keep-attn")
+    per_block = 2 * 64 * (cfg.d_model * 4 + cfg.num_heads * 4)  # O (fp32 model) and L, batch 2 x 64 tokens
+    assert kept - plain == pytest.approx(4 * per_block, rel=0.05)
+
+
+def test_keep_attn_parsing():
+    from cs336_systems.memory.checkpointing import keeps_attention
+
+    assert parse_policy("partial:3+keep-attn") == ("partial", 3)
+    assert keeps_attention("every-k:2+keep-attn") and not keeps_attention("every-k:2")
+    with pytest.raises(ValueError, match=r"\+keep-attn applies to every-block, every-k, partial, sqrt; got it on"):
+        parse_policy("nested+keep-attn")
+    with pytest.raises(ValueError, match="every-k needs a positive group size"):
+        parse_policy("every-k:0+keep-attn")

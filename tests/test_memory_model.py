@@ -105,3 +105,26 @@ def test_peak_walk_places_the_worst_point():
     for p in (none, every, ffn, predict(cfg, 4, 512, policy="every-k:4"), predict(cfg, 4, 512, policy="nested")):
         assert p.peak <= p.sum_of_parts
     assert predict(cfg, 4, 512, policy="nested").peak == predict(cfg, 4, 512, policy="nested").sum_of_parts
+
+
+def test_keep_attn_adds_the_attention_outputs_of_checkpointed_blocks():
+    from cs336_systems.memory.model import attention_output_bytes
+
+    cfg = ModelConfig.from_name("xl")
+    per_block = attention_output_bytes(cfg, 4, 2048, "flash", "bf16")
+    assert per_block == 4 * 2048 * (cfg.d_model * 2 + cfg.num_heads * 4)
+    assert attention_output_bytes(cfg, 4, 2048, "reference", "bf16") == 0  # its ops are not kept
+    for policy, checkpointed in (("every-block", cfg.num_layers), ("partial:10", 10), ("every-k:4", cfg.num_layers)):
+        plain = predict(cfg, 4, 2048, policy=policy, attention="flash", dtype="bf16", fused=True)
+        kept = predict(cfg, 4, 2048, policy=policy + "+keep-attn", attention="flash", dtype="bf16", fused=True)
+        # Kept outputs add at most one per checkpointed block; the peak moves only where the walk's worst
+        # point still holds them (not at the very end of backward, where only gradients remain).
+        assert 0 <= kept.peak - plain.peak <= checkpointed * per_block
+        assert 0 < kept.activations - plain.activations <= checkpointed * per_block
+    lb = ModelConfig.from_name("leaderboard-8b")
+    plain = predict(lb, 1, 32768, policy="partial:18", attention="flash", dtype="bf16", fused=True, loss="fused")
+    kept = predict(lb, 1, 32768, policy="partial:18+keep-attn", attention="flash", dtype="bf16", fused=True,
+                   loss="fused")
+    assert kept.peak - plain.peak == 18 * attention_output_bytes(lb, 1, 32768, "flash", "bf16")
+    same = predict(cfg, 4, 2048, policy="every-block+keep-attn", attention="reference", dtype="bf16")
+    assert same == predict(cfg, 4, 2048, policy="every-block", attention="reference", dtype="bf16")

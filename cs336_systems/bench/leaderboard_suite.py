@@ -40,7 +40,7 @@ from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
-from cs336_systems.memory.checkpointing import apply_checkpointing, parse_policy
+from cs336_systems.memory.checkpointing import KEEP_ATTENTION, apply_checkpointing, keeps_attention, parse_policy
 from cs336_systems.memory.model import predict
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges
@@ -67,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--fused-rope", action="store_true",
                         help="also our Triton RoPE (opt-in until measured on the GPU; needs --fused on)")
     parser.add_argument("--checkpoint", default="auto",
-                        help="auto, or a policy: none, every-block, every-k:K, partial:M, nested, ...")
+                        help="auto (the memory model's ladder), or a policy: none, every-block, every-k:K, "
+                             "partial:M, nested, ...; +keep-attn on the single-level ones keeps attention outputs")
     parser.add_argument("--optimizer", choices=["fused", "cs336"], default=None,
                         help="fused (our Triton AdamW; default on CUDA) or cs336 (cs336_basics AdamW)")
     parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
@@ -82,7 +83,10 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> floa
     """Forward FLOPs a policy adds to the step (matmuls and causal attention of what it recomputes)."""
     tokens, d, f, n = batch * seq, cfg.d_model, cfg.d_ff, cfg.num_layers
     ffn = 2 * tokens * 3 * d * f
-    block = 2 * tokens * 4 * d * d + ffn + 2 * batch * seq * seq * d  # projections, SwiGLU, attention (causal)
+    attention = 2 * batch * seq * seq * d  # causal
+    block = 2 * tokens * 4 * d * d + ffn + attention  # projections, SwiGLU, attention
+    if keeps_attention(policy):  # the recompute reuses the kept attention outputs
+        block -= attention
     name, arg = parse_policy(policy)
     if name == "none":
         return 0.0
@@ -98,19 +102,22 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> floa
 def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
                       attention: str, fused: bool, chunk_tokens: int) -> list[str]:
     """Policies from least to most recomputed FLOPs (none, ffn, partial:1 .. partial:N-1, every-block,
-    nested), starting at the first the memory model says fits in FIT_FRACTION of the free memory."""
+    nested, and the +keep-attn variants, which recompute no attention at a few hundred MiB per block):
+    the first the memory model says fits in FIT_FRACTION of the free memory, then, as fallbacks after an
+    out-of-memory, the costlier ones predicted to need less memory than it."""
     n = cfg.num_layers
-    ladder = sorted(["none", "ffn", *(f"partial:{m}" for m in range(1, n)), "every-block", "nested"],
+    single = [*(f"partial:{m}" for m in range(1, n)), "every-block"]
+    ladder = sorted(["none", "ffn", *single, *(p + KEEP_ATTENTION for p in single), "nested"],
                     key=lambda p: recompute_flops(cfg, batch, seq, p))
     if device.type != "cuda":
         return ladder[:1]
     free, _ = torch.cuda.mem_get_info(device)
     kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
-    for i, policy in enumerate(ladder):
-        p = predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
-                    chunk_tokens=chunk_tokens, state_dtype=state_dtype)
-        if p.peak < FIT_FRACTION * free:
-            return ladder[i:]
+    peaks = [predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
+                     chunk_tokens=chunk_tokens, state_dtype=state_dtype).peak for policy in ladder]
+    for i, peak in enumerate(peaks):
+        if peak < FIT_FRACTION * free:
+            return [ladder[i], *(p for p, q in zip(ladder[i + 1:], peaks[i + 1:]) if q < peak)]
     return ladder[-1:]
 
 

@@ -85,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=attention_names(), default="reference",
                         help="our attention implementation (default: reference, the staff maths)")
     parser.add_argument("--checkpoint", type=_checkpoint_policy, default="none",
-                        help="activation checkpointing of our model: none, every-block, every-k:K, sqrt, nested, "
-                             "ffn, attn (default none; the baseline is never checkpointed)")
+                        help="activation checkpointing of our model: none, every-block, every-k:K, partial:M, "
+                             "sqrt, nested, ffn, attn; +keep-attn on every-block/every-k/partial/sqrt keeps the "
+                             "attention outputs (default none; the baseline is never checkpointed)")
     parser.add_argument("--fused", action="store_true",
                         help="install our Triton RMSNorm and SwiGLU gate on our model (CUDA, or TRITON_INTERPRET=1)")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",

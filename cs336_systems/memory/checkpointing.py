@@ -18,21 +18,44 @@ Policies, for N blocks with activations A per block and boundary tensors b per b
 * partial:M: checkpoint the first M blocks one by one and keep the other N - M whole
   (M x b + (N - M) x A + A), M extra block forwards: the least recompute that fits when memory
   is short of `none` but far from needing `every-block` (the leaderboard's choice).
+
+Suffix `+keep-attn` (on every-block, every-k:K, sqrt, partial:M): selective checkpointing that keeps
+the attention outputs (O and the row log-sum-exp L: d + h/2 elements per token in bf16) of every
+checkpointed block, so the recompute runs the projections, norms and SwiGLU again but not the
+attention (at 32k context the most expensive part of a block's forward). It works at the dispatcher
+(torch.utils.checkpoint's selective contexts): the ops it keeps are our `cs336::flash_attention_forward`
+and SDPA's flash / cuDNN / efficient kernels; any other attention is recomputed as usual.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 POLICIES = ("none", "every-block", "every-k:K", "partial:M", "sqrt", "nested", "ffn", "attn")
+KEEP_ATTENTION = "+keep-attn"
+KEEP_ATTENTION_BASES = ("every-block", "every-k", "partial", "sqrt")
+
+
+def keeps_attention(policy: str) -> bool:
+    """True for the `+keep-attn` variants (validated)."""
+    parse_policy(policy)
+    return policy.endswith(KEEP_ATTENTION)
 
 
 def parse_policy(policy: str) -> tuple[str, int | None]:
-    """'every-k:4' -> ('every-k', 4); validates the name and K."""
+    """'every-k:4' -> ('every-k', 4); validates the name and K. A `+keep-attn` suffix is accepted on the
+    single-level policies (see `keeps_attention`) and does not change the result."""
+    if policy.endswith(KEEP_ATTENTION):
+        name, arg = parse_policy(policy.removesuffix(KEEP_ATTENTION))
+        if name not in KEEP_ATTENTION_BASES:
+            raise ValueError(f"checkpoint policy {policy!r}: {KEEP_ATTENTION} applies to "
+                             f"{', '.join(KEEP_ATTENTION_BASES)}; got it on {name!r}")
+        return name, arg
     name, _, arg = policy.partition(":")
     if name == "every-k":
         if not arg.isdigit() or int(arg) < 1:
@@ -53,8 +76,31 @@ def _run(blocks, x):
     return x
 
 
-def _checkpointed(fn, *args):
+def _checkpointed(fn, *args, keep_attention: bool = False):
+    if keep_attention:
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=_keep_attention_contexts)
     return checkpoint(fn, *args, use_reentrant=False)
+
+
+@functools.cache
+def _attention_ops() -> frozenset:
+    import torch
+
+    import cs336_systems.kernels.flash_attention.function  # noqa: F401  (registers cs336::flash_attention_forward)
+
+    aten = torch.ops.aten
+    return frozenset({torch.ops.cs336.flash_attention_forward.default,
+                      aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_cudnn_attention.default,
+                      aten._scaled_dot_product_efficient_attention.default})
+
+
+def _save_attention_outputs(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_attention_contexts():
+    return create_selective_checkpoint_contexts(_save_attention_outputs)
 
 
 def _nested(blocks, x):
@@ -77,9 +123,9 @@ def group_size(policy: str, num_blocks: int) -> int | None:
     return None
 
 
-def _checkpointed_forward(own_forward):
+def _checkpointed_forward(own_forward, keep_attention: bool = False):
     def forward(self, x):
-        return _checkpointed(own_forward, self, x)
+        return _checkpointed(own_forward, self, x, keep_attention=keep_attention)
     return forward
 
 
@@ -95,6 +141,7 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
     dict and parameters are untouched.
     """
     name, _ = parse_policy(policy)
+    keep = keeps_attention(policy)
     blocks = getattr(model, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"apply_checkpointing: model needs an nn.ModuleList `layers`, got {type(blocks).__name__}")
@@ -109,7 +156,7 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
         return model
     if name == "partial":
         for block in blocks[:min(parse_policy(policy)[1], len(blocks))]:
-            block.forward = types.MethodType(_checkpointed_forward(type(block).forward), block)
+            block.forward = types.MethodType(_checkpointed_forward(type(block).forward, keep), block)
         return model
     if name == "nested":
         groups = [blocks]
@@ -117,7 +164,7 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
     else:
         k = group_size(policy, len(blocks))
         groups = [blocks[i:i + k] for i in range(0, len(blocks), k)]
-        runner = lambda group, x: _checkpointed(_run, group, x)  # noqa: E731
+        runner = lambda group, x: _checkpointed(_run, group, x, keep_attention=keep)  # noqa: E731
     for group in groups:
         group[0].forward = lambda x, group=group: runner(group, x)
         for block in group[1:]:

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.config import ModelConfig
-from cs336_systems.memory.checkpointing import group_size, parse_policy
+from cs336_systems.memory.checkpointing import group_size, keeps_attention, parse_policy
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -85,6 +85,15 @@ def block_backward_transient_bytes(cfg: ModelConfig, batch: int, seq: int, atten
 def boundary_bytes(cfg: ModelConfig, batch: int, seq: int, dtype: str = "fp32") -> int:
     """One block's input (the residual stream), what a checkpoint keeps."""
     return batch * seq * cfg.d_model * _dtype_bytes(dtype)
+
+
+def attention_output_bytes(cfg: ModelConfig, batch: int, seq: int, attention: str = "flash",
+                           dtype: str = "fp32") -> int:
+    """What a `+keep-attn` policy keeps per checkpointed block: the flash attention's O (tokens x d) and
+    its fp32 L (tokens x heads); nothing for the reference attention, whose ops it does not keep."""
+    if attention != "flash":
+        return 0
+    return batch * seq * (cfg.d_model * _dtype_bytes(dtype) + cfg.num_heads * FP32)
 
 
 def ffn_activation_bytes(cfg: ModelConfig, batch: int, seq: int, dtype: str = "fp32", fused: bool = False) -> int:
@@ -142,6 +151,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
     n = cfg.num_layers
     block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
     boundary = boundary_bytes(cfg, batch, seq, dtype)
+    # With +keep-attn a checkpointed block keeps its attention output beside its input; the group being
+    # recomputed reuses its own (already in `block`).
+    kept = attention_output_bytes(cfg, batch, seq, attention, dtype) if keeps_attention(policy) else 0
     head = head_and_loss_bytes(cfg, batch, seq, dtype, fused, loss)
     ffn = ffn_activation_bytes(cfg, batch, seq, dtype, fused)
     if name == "none":
@@ -156,26 +168,32 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
         return (math.ceil(math.log2(max(n, 1))) + 1) * boundary + block + head
     if name == "partial":
         m = min(arg, n)
-        return m * boundary + (n - m) * block + (block if m else 0) + head
+        return m * (boundary + kept) + (n - m) * block + (block - kept if m else 0) + head
     k = group_size(policy, n)
-    return math.ceil(n / k) * boundary + k * block + head
+    return math.ceil(n / k) * boundary + (n - k) * kept + k * block + head
 
 
-def _groups(policy: str, n: int, block: int, boundary: int, ffn: int) -> list[tuple[int, int, int]] | None:
+def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, attention_output: int = 0
+            ) -> list[tuple[int, int, int]] | None:
     """(blocks, bytes kept after forward, bytes live during its backward) per group in forward order,
-    for the policies the walk covers; None for nested and attn (the sum of parts bounds them)."""
+    for the policies the walk covers; None for nested and attn (the sum of parts bounds them).
+    `attention_output`: what +keep-attn keeps per checkpointed block (its recompute then reuses it, so
+    a group's live bytes are unchanged)."""
     name, arg = parse_policy(policy)
+    if not keeps_attention(policy):
+        attention_output = 0
     if name == "none":
         return [(1, block, block)] * n
     if name == "partial":
         m = min(arg, n)
-        return [(1, boundary, block)] * m + [(1, block, block)] * (n - m)
+        return [(1, boundary + attention_output, block)] * m + [(1, block, block)] * (n - m)
     if name == "ffn":  # the SwiGLU's activations are recomputed inside each block's backward
         return [(1, block - ffn, block)] * n
     k = group_size(policy, n)
     if k is None:
         return None
-    return [(min(k, n - i), boundary, min(k, n - i) * block) for i in range(0, n, k)]
+    return [(min(k, n - i), boundary + min(k, n - i) * attention_output, min(k, n - i) * block)
+            for i in range(0, n, k)]
 
 
 def _backward_walk(groups, block_grads: int, head_saved: int, logits: int, head_grads: int, embedding_grads: int,
@@ -224,7 +242,8 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     grads = params if with_gradients else 0
     block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
     groups = _groups(policy, cfg.num_layers, block, boundary_bytes(cfg, batch, seq, dtype),
-                     ffn_activation_bytes(cfg, batch, seq, dtype, fused))
+                     ffn_activation_bytes(cfg, batch, seq, dtype, fused),
+                     attention_output_bytes(cfg, batch, seq, attention, dtype))
     if groups is None:
         peak = params + states + grads + activations + logits
     else:

@@ -151,3 +151,29 @@ def test_keep_attn_parsing():
         parse_policy("nested+keep-attn")
     with pytest.raises(ValueError, match="every-k needs a positive group size"):
         parse_policy("every-k:0+keep-attn")
+
+
+def test_keep_attn_composes_with_per_block_compile(attention_forward_calls):
+    """Checkpointing first, then each block compiled (the torchtitan order): same gradients, and the
+    attention still runs once per block."""
+    from cs336_systems.attention import use_attention
+
+    def run(compiled):
+        counter = attention_forward_calls
+        counter[0] = 0
+        torch.manual_seed(0)
+        model = apply_checkpointing(ModelConfig.from_name("tiny", num_layers=2, context_length=32).build(),
+                                    "every-block+keep-attn")
+        if compiled:
+            for block in model.layers:
+                block.compile()
+        tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+        with use_attention("triton"):
+            cross_entropy(model(tokens), tokens).backward()
+        return {n: p.grad for n, p in model.named_parameters()}, counter[0]
+
+    eager, eager_calls = run(False)
+    compiled, compiled_calls = run(True)
+    assert eager_calls == compiled_calls == 2
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6)

@@ -260,3 +260,30 @@ def test_descriptor_allocator_is_installed_per_thread():
     thread.start()
     thread.join()
     assert seen == [_descriptor_scratch]
+
+
+@pytest.mark.parametrize("shape,causal", [((1, 2, 40, 40, 16), True), ((2, 1, 33, 50, 32), False),
+                                          ((1, 2, 70, 70, 20), True)])
+def test_forward_through_tensor_descriptors_matches(shape, causal):
+    """The TMA forward (descriptor loads zero-fill rows past n and columns past d) computes the same O and L."""
+    from cs336_systems.kernels.flash_attention.function import forward_launch
+
+    device = kernel_device()
+    b, h, n, m, d = shape
+    q, k, v = _inputs(b, h, n, m, d, torch.float32, device)
+    plain, out, lse = forward_launch(q.detach(), k.detach(), v.detach(), causal)
+    tma, out_tma, lse_tma = forward_launch(q.detach(), k.detach(), v.detach(), causal, use_tma=True)
+    assert tma.flags.get("USE_TMA") is True
+    plain()
+    tma()
+    torch.testing.assert_close(out_tma, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse_tma, lse, rtol=1e-6, atol=1e-6)
+
+
+def test_tma_eligibility():
+    from cs336_systems.kernels.flash_attention.function import tma_eligible
+
+    assert tma_eligible(torch.randn(2, 4, 64, 64, dtype=torch.bfloat16))
+    assert not tma_eligible(torch.randn(2, 4, 64, 20, dtype=torch.bfloat16))  # 40-byte rows
+    assert not tma_eligible(torch.randn(2, 4, 64, 64).transpose(-1, -2))  # d not unit-stride
+    assert tma_eligible(torch.randn(2, 64, 4, 64).transpose(1, 2))  # the model's head-split view

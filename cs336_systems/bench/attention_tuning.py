@@ -38,11 +38,13 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "dkdv", "dq", "fused", "fused-atomic")
+KERNELS = ("forward", "forward-tma", "dkdv", "dq", "fused", "fused-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
-# Hopper), `fused-atomic` the same with pointer atomics for the reduction.
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5, "fused-atomic": 2.5}
+# Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
+# Q/K/V loads and the O store through tensor descriptors.
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5,
+                      "fused-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -53,6 +55,7 @@ TILES = {
     "fused": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
 }
 TILES["fused-atomic"] = TILES["fused"]
+TILES["forward-tma"] = TILES["forward"]
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
@@ -108,12 +111,14 @@ def _launches(inputs, causal: bool) -> dict:
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal)
+    forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
     preprocess()  # D, read by the backward kernels (each launch set has its own)
     fused_preprocess()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
-    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess, **{"fused-atomic": fused_atomic})
+    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
+                **{"fused-atomic": fused_atomic, "forward-tma": forward_tma})
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
@@ -240,7 +245,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         whole = group[group["kernel"].isin(["fwd", "bwd", "preprocess"])].set_index(["provider", "kernel"])["median"]
         preprocess = whole.get(("triton", "preprocess"), 0.0)
         best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + preprocess
-        summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"), best_bwd=best_bwd,
+        summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
+                            best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
                             shipped_fused_bwd=whole.get(("triton-fused-bwd", "bwd")),

@@ -29,12 +29,18 @@ MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 u
 @triton.jit
 def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_n, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile."""
-    kT_block = tl.advance(kT_block, (0, start_n))
-    v_block = tl.advance(v_block, (start_n, 0))
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
+    """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile. With USE_TMA,
+    kT_block and v_block are tensor descriptors of K and V ((n_keys, head_dim), rows past the end and
+    columns past head_dim read as zeros by the copy engine)."""
+    if not USE_TMA:
+        kT_block = tl.advance(kT_block, (0, start_n))
+        v_block = tl.advance(v_block, (start_n, 0))
     for tile_start in range(start_n, end_n, BLOCK_N):
-        if MASKED or not EVEN_D:
+        if USE_TMA:
+            kT = tl.trans(kT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_N)
+            v = v_block.load([tile_start, 0])
+        elif MASKED or not EVEN_D:
             kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
             v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_N, BLOCK_D)
         else:
@@ -52,8 +58,9 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-        kT_block = tl.advance(kT_block, (0, BLOCK_N))
-        v_block = tl.advance(v_block, (BLOCK_N, 0))
+        if not USE_TMA:
+            kT_block = tl.advance(kT_block, (0, BLOCK_N))
+            v_block = tl.advance(v_block, (BLOCK_N, 0))
     return acc, m_i, l_i
 
 
@@ -91,7 +98,8 @@ def flash_forward_kernel(Q, K, V, O, L,
                          stride_ob, stride_oh, stride_on, stride_od,
                          n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
                          IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         USE_TMA: tl.constexpr = False):
     n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
     # Causal: the last query tiles see the most keys; start them first.
     query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
@@ -103,14 +111,22 @@ def flash_forward_kernel(Q, K, V, O, L,
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     m0 = query_tile * BLOCK_M
 
-    q_block = tl.make_block_ptr(q_base, shape=(n_queries, head_dim), strides=(stride_qn, stride_qd),
-                                offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
-                                 offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
-    v_block = tl.make_block_ptr(v_base, shape=(n_keys, head_dim), strides=(stride_vn, stride_vd),
-                                offsets=(0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
+        kT_block = tl.make_tensor_descriptor(k_base, shape=[n_keys, head_dim], strides=[stride_kn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
+        v_block = tl.make_tensor_descriptor(v_base, shape=[n_keys, head_dim], strides=[stride_vn, 1],
+                                            block_shape=[BLOCK_N, BLOCK_D])
+        q = tl.make_tensor_descriptor(q_base, shape=[n_queries, head_dim], strides=[stride_qn, 1],
+                                      block_shape=[BLOCK_M, BLOCK_D]).load([m0, 0])
+    else:
+        q_block = tl.make_block_ptr(q_base, shape=(n_queries, head_dim), strides=(stride_qn, stride_qd),
+                                    offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+        kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
+                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+        v_block = tl.make_block_ptr(v_base, shape=(n_keys, head_dim), strides=(stride_vn, stride_vd),
+                                    offsets=(0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+        q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -124,13 +140,17 @@ def flash_forward_kernel(Q, K, V, O, L,
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, 0, unmasked_end, n_keys,
-                                      qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+                                      qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,
-                                      n_keys, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+                                      n_keys, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
 
     out = acc / l_i[:, None]
-    o_block = tl.make_block_ptr(o_base, shape=(n_queries, head_dim), strides=(stride_on, stride_od),
-                                offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
+    if USE_TMA:
+        tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[stride_on, 1],
+                                  block_shape=[BLOCK_M, BLOCK_D]).store([m0, 0], out.to(O.dtype.element_ty))
+    else:
+        o_block = tl.make_block_ptr(o_base, shape=(n_queries, head_dim), strides=(stride_on, stride_od),
+                                    offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+        tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
     lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
     tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

@@ -95,8 +95,23 @@ class KernelLaunch:
         return launch
 
 
-def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs."""
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors (the copy engine) need unit stride along d and 16-byte aligned bases and row,
+    batch and head strides; any 4-D view of ours that meets that qualifies."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, use_tma: bool = False):
+    """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
+
+    use_tma: load Q/K/V and store O through tensor descriptors (Hopper's copy engine) where the inputs
+    qualify (`tma_eligible`); an experiment for `cs336-bench attention-tune` (kernel `forward-tma`)
+    until it is measured faster."""
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -108,6 +123,9 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
             heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    if use_tma and tma_eligible(q4, k4, v4, o4):
+        _install_descriptor_allocator(q.device)
+        flags["USE_TMA"] = True
     launch = KernelLaunch(flash_forward_kernel, args, flags,
                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return launch, out, lse
@@ -123,7 +141,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 def _dq_reduce_mode(device: torch.device) -> int:
     """2: TMA descriptor reduce-add (Hopper and later); 1: pointer atomics (older GPUs, the interpreter)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        _install_descriptor_allocator()
+        _install_descriptor_allocator(device)
         return 2
     return 1
 
@@ -132,14 +150,18 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _install_descriptor_allocator():
+def _interpreter_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8)
+
+
+def _install_descriptor_allocator(device: torch.device | str = "cuda"):
     """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it.
     Triton keeps the allocator in a ContextVar, so it is set in every thread that launches (autograd runs
     backward in its own thread); an allocator the caller set is left alone."""
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch)
+        triton.set_allocator(_descriptor_scratch if torch.device(device).type == "cuda" else _interpreter_scratch)
 
 
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())

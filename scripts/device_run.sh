@@ -39,7 +39,7 @@ run_stage() {
       ;;
     attention-tune)
       # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).
-      python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,forward-tma,dkdv,dq}" \
+      python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,forward-tma,dkdv,dkdv-tma,dq,dq-tma}" \
         --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
     attention-full)

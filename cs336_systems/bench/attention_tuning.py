@@ -38,13 +38,14 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "dkdv", "dq", "fused", "fused-atomic")
+KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
-# Q/K/V loads and the O store through tensor descriptors.
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5,
-                      "fused-atomic": 2.5}
+# Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
+# their inner loops' tiles through descriptors.
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
+                      "fused": 2.5, "fused-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -56,6 +57,8 @@ TILES = {
 }
 TILES["fused-atomic"] = TILES["fused"]
 TILES["forward-tma"] = TILES["forward"]
+TILES["dkdv-tma"] = TILES["dkdv"]
+TILES["dq-tma"] = TILES["dq"]
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
@@ -107,18 +110,27 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
-    from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
+    from cs336_systems.kernels.flash_attention.function import (
+        _install_descriptor_allocator,
+        backward_launches,
+        forward_launch,
+    )
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal)
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
+    _install_descriptor_allocator(q.device)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
     preprocess()  # D, read by the backward kernels (each launch set has its own)
     fused_preprocess()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
+    # Fresh random inputs are contiguous and aligned: they qualify for descriptors (function.tma_eligible).
+    dkdv_tma = dataclasses.replace(dkdv, flags=dkdv.flags | dict(USE_TMA=True))
+    dq_tma = dataclasses.replace(dq, flags=dq.flags | dict(USE_TMA=True))
     return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
-                **{"fused-atomic": fused_atomic, "forward-tma": forward_tma})
+                **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
+                   "dq-tma": dq_tma})
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:

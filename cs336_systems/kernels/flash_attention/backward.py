@@ -60,15 +60,20 @@ def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, strid
 def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
                       qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                      DQ_REDUCE: tl.constexpr):
+                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV; with DQ_REDUCE,
     also add this key tile's share of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA
-    descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1)."""
-    qT_block = tl.advance(qT_block, (0, start_m))
-    do_block = tl.advance(do_block, (start_m, 0))
+    descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1).
+    With USE_TMA, qT_block and do_block are tensor descriptors of Q and dO ((n_queries, head_dim))."""
+    if not USE_TMA:
+        qT_block = tl.advance(qT_block, (0, start_m))
+        do_block = tl.advance(do_block, (start_m, 0))
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
-        if MASKED or not EVEN_D:
+        if USE_TMA:
+            qT = tl.trans(qT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_M)
+            do = do_block.load([tile_start, 0])
+        elif MASKED or not EVEN_D:
             qT = tl.load(qT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_M)
             do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
         else:
@@ -96,20 +101,26 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
             else:
                 rows = dq_target + offs_m[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
                 tl.atomic_add(rows, dq_part, mask=offs_m[:, None] < n_queries, sem="relaxed")
-        qT_block = tl.advance(qT_block, (0, BLOCK_M))
-        do_block = tl.advance(do_block, (BLOCK_M, 0))
+        if not USE_TMA:
+            qT_block = tl.advance(qT_block, (0, BLOCK_M))
+            do_block = tl.advance(do_block, (BLOCK_M, 0))
     return dk, dv
 
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ."""
-    kT_block = tl.advance(kT_block, (0, start_n))
-    vT_block = tl.advance(vT_block, (0, start_n))
+                  PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
+    """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. With USE_TMA, kT_block
+    and vT_block are tensor descriptors of K and V ((n_keys, head_dim))."""
+    if not USE_TMA:
+        kT_block = tl.advance(kT_block, (0, start_n))
+        vT_block = tl.advance(vT_block, (0, start_n))
     for tile_start in range(start_n, end_n, BLOCK_N):
-        if MASKED or not EVEN_D:
+        if USE_TMA:
+            kT = tl.trans(kT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_N)
+            vT = tl.trans(vT_block.load([tile_start, 0]))
+        elif MASKED or not EVEN_D:
             kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
             vT = tl.load(vT_block, boundary_check=(0, 1), padding_option="zero")
         else:
@@ -126,8 +137,9 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
-        kT_block = tl.advance(kT_block, (0, BLOCK_N))
-        vT_block = tl.advance(vT_block, (0, BLOCK_N))
+        if not USE_TMA:
+            kT_block = tl.advance(kT_block, (0, BLOCK_N))
+            vT_block = tl.advance(vT_block, (0, BLOCK_N))
     return dq
 
 
@@ -186,7 +198,7 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False):
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     n0 = tl.program_id(0) * BLOCK_N
@@ -205,12 +217,18 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     v_block = tl.make_block_ptr(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
                                 shape=(n_keys, head_dim), strides=(stride_vn, stride_vd), offsets=(n0, 0),
                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-    qT_block = tl.make_block_ptr(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                                 shape=(head_dim, n_queries), strides=(stride_qd, stride_qn), offsets=(0, 0),
-                                 block_shape=(BLOCK_D, BLOCK_M), order=(0, 1))
-    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
-                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(0, 0),
-                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
+        qT_block = tl.make_tensor_descriptor(q_base, shape=[n_queries, head_dim], strides=[stride_qn, 1],
+                                             block_shape=[BLOCK_M, BLOCK_D])
+        do_block = tl.make_tensor_descriptor(do_base, shape=[n_queries, head_dim], strides=[stride_don, 1],
+                                             block_shape=[BLOCK_M, BLOCK_D])
+    else:
+        qT_block = tl.make_block_ptr(q_base, shape=(head_dim, n_queries), strides=(stride_qd, stride_qn),
+                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_M), order=(0, 1))
+        do_block = tl.make_block_ptr(do_base, shape=(n_queries, head_dim), strides=(stride_don, stride_dod),
+                                     offsets=(0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
     k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
@@ -225,17 +243,17 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         diagonal_end = tl.minimum(n0 + BLOCK_N, n_queries)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, n0, diagonal_end,
                                    n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M,
-                                   BLOCK_D, PRECISION, DQ_REDUCE)
+                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
         unmasked_start = n0 + BLOCK_N
     else:
         unmasked_start = 0
     unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
                                full_query_tiles_end, n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL,
-                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE)
+                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
                                n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
-                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE)
+                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
 
     # dK and dV share Q's layout arguments only through their own (contiguous) strides.
     dk_block = tl.make_block_ptr(dK + batch_head.to(tl.int64) * n_keys * head_dim, shape=(n_keys, head_dim),
@@ -265,7 +283,8 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     stride_dob, stride_doh, stride_don, stride_dod,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    USE_TMA: tl.constexpr = False):
     n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
     query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -277,12 +296,18 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
     do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
                                  shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(m0, 0),
                                  block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    kT_block = tl.make_block_ptr(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                                 shape=(head_dim, n_keys), strides=(stride_kd, stride_kn), offsets=(0, 0),
-                                 block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
-    vT_block = tl.make_block_ptr(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                 shape=(head_dim, n_keys), strides=(stride_vd, stride_vn), offsets=(0, 0),
-                                 block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
+        kT_block = tl.make_tensor_descriptor(k_base, shape=[n_keys, head_dim], strides=[stride_kn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
+        vT_block = tl.make_tensor_descriptor(v_base, shape=[n_keys, head_dim], strides=[stride_vn, 1],
+                                             block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
+                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+        vT_block = tl.make_block_ptr(v_base, shape=(head_dim, n_keys), strides=(stride_vd, stride_vn),
+                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")
@@ -298,9 +323,9 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
-                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
-                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq_block = tl.make_block_ptr(dQ + batch_head.to(tl.int64) * n_queries * head_dim, shape=(n_queries, head_dim),
                                  strides=(head_dim, 1), offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))

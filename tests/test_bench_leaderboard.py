@@ -8,7 +8,7 @@ from cs336_systems.bench.results import load_rows
 TINY = ["leaderboard", "--preset", "tiny", "--context", "32", "--device", "cpu", "--warmup-ms", "1", "--rep-ms", "1"]
 
 
-@pytest.mark.parametrize("checkpoint", ["auto", "every-block", "nested"])
+@pytest.mark.parametrize("checkpoint", ["auto", "every-block", "nested", "partial:1+keep-attn"])
 def test_leaderboard_tiny_verifies(tmp_path, checkpoint, capsys):
     assert main([*TINY, "--verify", "--checkpoint", checkpoint, "--results-dir", str(tmp_path)]) == 0
     assert "verify" in capsys.readouterr().out

@@ -24,7 +24,7 @@ run_stage() {
       # CS336_AUTOTUNE=0: one config per kernel, so the cold compile of the test matrix stays short.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_weighted_sum.py \
         tests/test_kernels_flash_attention.py tests/test_adapters_attention.py tests/test_attention_registry.py \
-        2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+        tests/test_memory_checkpointing.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

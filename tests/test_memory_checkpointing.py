@@ -7,6 +7,7 @@ from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.config import ModelConfig
 from cs336_systems.memory.checkpointing import apply_checkpointing, group_size, parse_policy
 from cs336_systems.memory.live_bytes import retained_bytes
+from tests._support import kernel_device
 
 POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "partial:2", "partial:9", "sqrt", "nested", "ffn", "attn"]
 
@@ -76,11 +77,12 @@ def test_policy_parsing():
 def _triton_grads(policy, counter, layers=3):
     from cs336_systems.attention import use_attention
 
+    device = kernel_device()
     counter[0] = 0
     torch.manual_seed(0)
-    model = ModelConfig.from_name("tiny", num_layers=layers, context_length=32).build()
+    model = ModelConfig.from_name("tiny", num_layers=layers, context_length=32).build(device=device)
     apply_checkpointing(model, policy)
-    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
     with use_attention("triton"):
         loss = cross_entropy(model(tokens), tokens)
         forwards = counter[0]
@@ -90,8 +92,8 @@ def _triton_grads(policy, counter, layers=3):
 
 @pytest.fixture
 def attention_forward_calls(monkeypatch):
-    """Counts our attention's forward kernel launches (under the interpreter on CPU)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """Counts our attention's forward kernel launches (on the GPU, or under the interpreter on CPU)."""
+    kernel_device()
     from cs336_systems.kernels.flash_attention import function
 
     counter = [0]
@@ -124,18 +126,16 @@ def test_keep_attn_skips_the_attention_recompute_with_identical_gradients(policy
 def test_keep_attn_holds_the_attention_outputs_of_checkpointed_blocks():
     from cs336_systems.attention import use_attention
 
+    device = kernel_device()
+
     def held(policy):
         torch.manual_seed(0)
         cfg = ModelConfig.from_name("tiny", num_layers=4, context_length=64)
-        model = apply_checkpointing(cfg.build(), policy)
-        tokens = torch.randint(0, 512, (2, 64))
+        model = apply_checkpointing(cfg.build(device=device), policy)
+        tokens = torch.randint(0, 512, (2, 64), device=device)
         with use_attention("triton"):
             return retained_bytes(lambda: model(tokens).sum())[1], cfg
 
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs our Triton attention under the interpreter")
     plain, cfg = held("every-block")
     kept, _ = held("every-block+keep-attn")
     per_block = 2 * 64 * (cfg.d_model * 4 + cfg.num_heads * 4)  # O (fp32 model) and L, batch 2 x 64 tokens
@@ -161,13 +161,14 @@ def test_keep_attn_composes_with_per_block_compile(attention_forward_calls):
     def run(compiled):
         counter = attention_forward_calls
         counter[0] = 0
+        device = kernel_device()
         torch.manual_seed(0)
-        model = apply_checkpointing(ModelConfig.from_name("tiny", num_layers=2, context_length=32).build(),
+        model = apply_checkpointing(ModelConfig.from_name("tiny", num_layers=2, context_length=32).build(device=device),
                                     "every-block+keep-attn")
         if compiled:
             for block in model.layers:
                 block.compile()
-        tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
+        tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
         with use_attention("triton"):
             cross_entropy(model(tokens), tokens).backward()
         return {n: p.grad for n, p in model.named_parameters()}, counter[0]

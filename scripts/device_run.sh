@@ -2,7 +2,8 @@
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, model,
-# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope.
+# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope;
+# on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
 # The machine has no package registry, so the package runs from the checkout (PYTHONPATH) on the
@@ -10,6 +11,9 @@
 #   CS336_GIT_COMMIT=$(git rev-parse --short=12 HEAD)   (computed here, written into the run command)
 set -u
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# NVLink multicast stays off on the lent machines (KINDS.md: it can take a shared host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 OUT="${OUT:-/tmp/out}"
 R=/tmp/cs336_results
 mkdir -p "$OUT" "$R"
@@ -110,6 +114,30 @@ run_stage() {
       python3 -m cs336_systems.bench leaderboard --provider ours --warmup-ms 2000 --rep-ms 30000 --results-dir "$R" \
         2>&1 | tail -6
       python3 -m cs336_systems.bench leaderboard --provider ours --fused-rope --warmup-ms 2000 --rep-ms 30000 \
+        --results-dir "$R" 2>&1 | tail -6
+      ;;
+    multi-collectives)
+      # Issue 9, on a machine of several GPUs: NCCL at 2, 4 (and 6/8 where present) ranks.
+      for n in 2 4 6 8; do
+        [ "$n" -le "$NGPU" ] || continue
+        torchrun --standalone --nproc-per-node $n -m cs336_systems.bench collectives --device cuda \
+          --results-dir "$R" --plot "$R/collectives_nccl.png" 2>&1 | tail -8
+      done
+      ;;
+    multi-parallel)
+      # Issue 10: xl on 2 GPUs: DDP variants and buckets beside torch DDP, ZeRO-1, FSDP beside FSDP2.
+      torchrun --standalone --nproc-per-node 2 -m cs336_systems.bench ddp --device cuda --preset xl \
+        --variant naive,flat,overlap,bucketed,torch-ddp --profile --results-dir "$R" 2>&1 | tail -14
+      torchrun --standalone --nproc-per-node 2 -m cs336_systems.bench sharding --device cuda --preset xl \
+        --results-dir "$R" 2>&1 | tail -8
+      torchrun --standalone --nproc-per-node 2 -m cs336_systems.bench fsdp --device cuda --preset xl \
+        --compute-dtype fp32,bf16 --provider fsdp,ddp,torch-fsdp2 --results-dir "$R" 2>&1 | tail -10
+      ;;
+    leaderboard-2gpu)
+      # Issue 11: one sequence per GPU on 2 GPUs (our DDP), then the one-GPU step on the same machine.
+      torchrun --standalone --nproc-per-node 2 -m cs336_systems.bench leaderboard --batch 1 --warmup-ms 2000 \
+        --rep-ms 30000 --results-dir "$R" 2>&1 | tail -8
+      python3 -m cs336_systems.bench leaderboard --provider ours --warmup-ms 2000 --rep-ms 30000 \
         --results-dir "$R" 2>&1 | tail -6
       ;;
     profile)

@@ -99,3 +99,50 @@ def test_unknown_provider_is_refused(capsys):
 def test_fused_rope_needs_the_fused_kernels(tmp_path):
     with pytest.raises(SystemExit, match="--fused-rope needs --fused on"):
         main([*TINY, "--fused-rope", "--fused", "off", "--results-dir", str(tmp_path)])
+
+
+def test_two_ranks_data_parallel_on_gloo(tmp_path, capsys):
+    """One sequence per rank, our DDP beside torch's; rank 0 alone writes the rows."""
+    assert main([*TINY, "--world-size", "2", "--provider", "ours,baseline", "--results-dir", str(tmp_path)]) == 0
+    rows = load_rows(tmp_path / "leaderboard.jsonl")
+    steps = [r for r in rows if r["metric"] == "step_time"]
+    assert sorted(r["provider"] for r in steps) == ["baseline", "ours"]  # not once per rank
+    assert all(r["status"] == "ok" and r["config"]["world_size"] == 2 for r in steps)
+    assert {r["config"]["ddp"] for r in steps} == {"overlap"}
+    phases = {r["config"]["phase"] for r in rows if r["metric"] == "phase_time" and r["provider"] == "ours"}
+    assert phases == {"forward", "loss", "backward", "sync", "optimizer"}
+
+
+def test_verify_refuses_several_ranks(tmp_path):
+    with pytest.raises(SystemExit, match="--verify runs in one process"):
+        main([*TINY, "--verify", "--world-size", "2", "--results-dir", str(tmp_path)])
+
+
+def _lockstep_rank(rank, world_size, out_dir):
+    import time
+
+    import torch
+
+    from cs336_systems.bench.leaderboard_suite import _bench_in_lockstep
+    from cs336_systems.parallel import comm
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.002 * (rank + 1))  # rank 1 is slower: its estimate must set both counts
+        comm.all_reduce(torch.ones(1))
+
+    timing = _bench_in_lockstep(step, torch.device("cpu"), warmup_ms=10, rep_ms=30)
+    with open(f"{out_dir}/rank{rank}", "w") as f:
+        f.write(f"{len(calls)} {timing.n}")
+
+
+def test_lockstep_timing_agrees_on_step_counts(tmp_path):
+    """With several ranks every rank must run the same number of steps (do_bench would size its own)."""
+    from cs336_systems.parallel import comm
+
+    comm.spawn(_lockstep_rank, 2, str(tmp_path))
+    counts = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
+    assert counts[0] == counts[1]
+    assert int(counts[0].split()[1]) >= 3

@@ -20,15 +20,26 @@ empty cache it is the cold-start time.
 gradients agree with the plain cs336_basics model step (reference attention, cross_entropy on
 logits): the error against an fp64 run may be at most 2x that of the plain step at --param-dtype.
 
+Several GPUs (one sequence per rank): under torchrun, or `--world-size N` to spawn the ranks. Ours
+runs data parallel through our DDP (`--ddp`, default `overlap`: each gradient's all-reduce starts
+from its accumulation hook, in place, so no bucket copies add memory and communication hides
+under the rest of backward); the baseline through torch's DistributedDataParallel. The phase
+`sync` is the wait for the last all-reduces after backward (the exposed communication). Each
+rank times its own step (every step waits on the collectives, so they agree); rank 0 writes the
+rows. With several ranks only the first policy of the ladder is tried: an out-of-memory on one
+rank ends the run (the others would wait in a collective), with the error named.
+
     cs336-bench leaderboard --preset tiny --device cpu --verify          # CI-sized
     cs336-bench leaderboard --preset xl --context 8192                   # without an H200
     cs336-bench leaderboard                                              # the 8B model at 32k
+    torchrun --nproc-per-node 2 -m cs336_systems.bench leaderboard --batch 1   # 2 GPUs, 2 sequences
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -37,14 +48,18 @@ from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import attention_names, use_attention
 from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
+from cs336_systems.bench.distributed_common import launch, local_device
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.memory.checkpointing import KEEP_ATTENTION, apply_checkpointing, keeps_attention, parse_policy
 from cs336_systems.memory.model import predict
+from cs336_systems.parallel import comm
+from cs336_systems.parallel.ddp import VARIANTS as DDP_VARIANTS
+from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges
-from cs336_systems.profiling.timing import bench_kernel
+from cs336_systems.profiling.timing import bench_kernel, time_fn
 
 PROVIDERS = ("ours", "baseline")
 FIT_FRACTION = 0.92  # of the free memory at start: the allocator's fragmentation and the CUDA context need the rest
@@ -76,6 +91,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=2000.0)
     parser.add_argument("--rep-ms", type=float, default=6000.0)
     parser.add_argument("--verify", action="store_true", help="check loss and gradients against the plain step")
+    parser.add_argument("--world-size", type=positive_int("--world-size"), default=1,
+                        help="ranks to spawn when not under torchrun (default 1: one process)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                        help="with several ranks: default nccl with CUDA, gloo otherwise")
+    parser.add_argument("--ddp", choices=list(DDP_VARIANTS), default="overlap",
+                        help="our DDP variant with several ranks (default overlap)")
     add_common_arguments(parser)
 
 
@@ -147,26 +168,31 @@ def _optimizer(kind: str, model, state_dtype: torch.dtype):
     return AdamW(model.parameters(), lr=1e-4)
 
 
-def _training_step(optimizer, forward, loss_fn, phase):
+def _training_step(optimizer, forward, loss_fn, phase, ddp=None):
     def step():
         optimizer.zero_grad(set_to_none=True)
+        if ddp is not None:
+            ddp.on_train_batch_start()
         with phase("forward"):
             h = forward()
         with phase("loss"):
             loss = loss_fn(h)
         with phase("backward"):
             loss.backward()
+        if ddp is not None:
+            with phase("sync"):  # what is left of the all-reduces once backward is done
+                ddp.finish_gradient_synchronization()
         with phase("optimizer"):
             optimizer.step()
         return loss
     return step
 
 
-def _timed_and_plain(optimizer, forward, loss_fn):
+def _timed_and_plain(optimizer, forward, loss_fn, ddp=None):
     """build(phase) -> (the step with phase ranges, the same step without): what _measure times."""
     def build(phase):
-        return (_training_step(optimizer, forward, loss_fn, phase),
-                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext()))
+        return (_training_step(optimizer, forward, loss_fn, phase, ddp),
+                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext(), ddp))
     return build
 
 
@@ -206,7 +232,10 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
         torch.cuda.reset_peak_memory_stats(device)
     ranges = PhaseRanges(device, time=True)
     step, plain_step = build_step(ranges.phase)
-    timing = bench_kernel(plain_step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    if comm.world_size() > 1:
+        timing = _bench_in_lockstep(plain_step, device, args.warmup_ms, args.rep_ms)
+    else:
+        timing = bench_kernel(plain_step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     ranges.reset()
     for _ in range(3):
         step()
@@ -226,15 +255,43 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
     return summary
 
 
+def _bench_in_lockstep(step, device, warmup_ms: float, rep_ms: float):
+    """do_bench's warm-up / repetition budget with step counts every rank agrees on: do_bench sizes its
+    loops from each rank's own estimate, and ranks that run different step counts deadlock in the
+    collectives. One warm step is timed, the slowest rank's time sets both counts."""
+    step()  # first call: compiles and autotunes
+    first = time_fn(step, warmup=0, steps=1, device=device).median * 1e3
+    estimate = torch.tensor([first], dtype=torch.float64, device=device)
+    comm.all_reduce(estimate, op=torch.distributed.ReduceOp.MAX)
+    per_step = max(float(estimate), 1e-3)
+    warmup = max(1, math.ceil(warmup_ms / per_step))
+    steps = max(3, math.ceil(rep_ms / per_step))
+    return time_fn(step, warmup=warmup, steps=steps, device=device)
+
+
 def _ours(cfg, args, device, tokens, targets, policy, settings):
     dtype = DTYPES[settings["param_dtype"]]
     model = _build(cfg, device, dtype, policy, settings["fused"], settings["fused_rope"])
+    # Several ranks: our DDP (its hooks sit on the parameters, so the forward below needs no wrapper call).
+    ddp = make_ddp(model, args.ddp) if comm.world_size() > 1 else None
     optimizer = _optimizer(settings["optimizer"], model, DTYPES[settings["state_dtype"]])
 
     def loss_fn(h):
         return lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=args.chunk_tokens)
 
-    return _timed_and_plain(optimizer, lambda: hidden_states(model, tokens), loss_fn)
+    return _timed_and_plain(optimizer, lambda: hidden_states(model, tokens), loss_fn, ddp)
+
+
+class _HiddenStates(torch.nn.Module):
+    """The baseline LM's forward up to the hidden states, as a module torch's DDP can wrap (its reducer
+    is armed in forward); the LM head is used by the chunked loss after it."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens):
+        return self.lm.hidden(tokens)
 
 
 def _baseline(cfg, args, device, tokens, targets, settings):
@@ -245,15 +302,40 @@ def _baseline(cfg, args, device, tokens, targets, settings):
         model = BaselineLM(cfg, checkpoint_blocks=True)
     model.to(dtype=DTYPES[settings["param_dtype"]])
     optimizer = baseline_optimizer(model, device)
+    forward = lambda: model.hidden(tokens)  # noqa: E731
+    if comm.world_size() > 1:  # a baseline: torch's own DDP
+        wrapped = torch.nn.parallel.DistributedDataParallel(_HiddenStates(model), gradient_as_bucket_view=True)
+        forward = lambda: wrapped(tokens)  # noqa: E731
 
     def loss_fn(h):
         return chunked_cross_entropy(model, h, targets, args.chunk_tokens)
 
-    return _timed_and_plain(optimizer, lambda: model.hidden(tokens), loss_fn)
+    return _timed_and_plain(optimizer, forward, loss_fn)
 
 
 def run(args) -> int:
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    if (under_torchrun or args.world_size > 1) and args.verify:
+        raise SystemExit("--verify runs in one process; drop --world-size / torchrun for it")
+    if under_torchrun or args.world_size > 1:
+        return launch(_run_rank, args)
+    return _run_rank(args)
+
+
+class _NoRows:
+    """The store of ranks other than 0: they measure, rank 0 writes."""
+
+    path = "(rank 0 writes the rows)"
+
+    def add(self, **kwargs) -> dict:
+        return {}
+
+
+def _run_rank(args) -> int:
     started = time.perf_counter()
+    distributed = comm.world_size() > 1
+    if distributed:
+        args.device = local_device(args)
     device: torch.device = args.device
     on_cuda = device.type == "cuda"
     dtype_name = args.param_dtype or ("bf16" if on_cuda else "fp32")
@@ -280,9 +362,11 @@ def run(args) -> int:
         raise SystemExit("--fused-rope needs --fused on")
     settings = dict(param_dtype=dtype_name, state_dtype=state_name, fused=fused, fused_rope=args.fused_rope,
                     optimizer=optimizer_kind)
-    store = ResultStore("leaderboard", device, args.results_dir)
+    store = ResultStore("leaderboard", device, args.results_dir) if comm.rank() == 0 else _NoRows()
     base_config = dict(preset=args.preset, context=seq, batch=args.batch, param_dtype=dtype_name,
                        state_dtype=state_name, chunk_tokens=args.chunk_tokens)
+    if distributed:  # batch is per rank: one sequence per GPU is --batch 1
+        base_config |= dict(world_size=comm.world_size(), ddp=args.ddp)
     our_config = base_config | dict(attention=attention, fused=fused, fused_rope=args.fused_rope,
                                     optimizer=optimizer_kind)
     candidates = ([args.checkpoint] if args.checkpoint != "auto" else policy_candidates(
@@ -301,8 +385,11 @@ def run(args) -> int:
         if not ok:
             raise SystemExit("leaderboard --verify: our step's gradients are outside the error budget")
     matmul_peak = measure_matmul_peak(device) if on_cuda else None
-    tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
-    targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device)
+    data = torch.Generator(device).manual_seed(1234 + comm.rank())  # each rank its own sequences
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)
+    targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)
+    if distributed:
+        candidates = candidates[:1]
     summaries = []
     for provider in args.provider:
         policies = candidates if provider == "ours" else ["every-block"]
@@ -319,6 +406,9 @@ def run(args) -> int:
             except Exception as error:  # out of memory is a result: record it, then try more checkpointing
                 if not is_oom(error):
                     raise
+                if distributed:
+                    raise SystemExit(f"rank {comm.rank()}: out of memory with checkpoint policy {policy} "
+                                     f"({provider}); give --checkpoint a policy with more recompute") from None
                 store.add(provider=provider, config=config, metric="step_time", unit="ms", status="oom",
                           message=str(error).splitlines()[0][:300])
                 print(f"{provider}: out of memory with checkpoint policy {policy}; trying the next")
@@ -327,6 +417,8 @@ def run(args) -> int:
                 free_memory(device)
     wall = time.perf_counter() - started
     store.add(provider="suite", config=our_config, metric="command_wall_time", unit="s", value=wall)
+    if comm.rank() != 0:
+        return 0
     import pandas as pd
 
     table = pd.DataFrame(summaries)

@@ -388,8 +388,10 @@ def _run_rank(args) -> int:
     data = torch.Generator(device).manual_seed(1234 + comm.rank())  # each rank its own sequences
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)
-    if distributed:
-        candidates = candidates[:1]
+    if distributed:  # rank 0's choice for every rank (free memory, and so the ladder, can differ a little)
+        choice = candidates[:1]
+        torch.distributed.broadcast_object_list(choice, src=0)
+        candidates = choice
     summaries = []
     for provider in args.provider:
         policies = candidates if provider == "ours" else ["every-block"]

@@ -35,6 +35,7 @@ import triton.language as tl
 from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
+from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 
 @triton.jit
@@ -64,21 +65,14 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
     """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV; with DQ_REDUCE,
     also add this key tile's share of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA
     descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1).
-    With USE_TMA, qT_block and do_block are tensor descriptors of Q and dO ((n_queries, head_dim))."""
+    qT_block and do_block come from `tiles.operand_tiles` (Q transposed, dO as is)."""
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
         do_block = tl.advance(do_block, (start_m, 0))
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
-        if USE_TMA:
-            qT = tl.trans(qT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_M)
-            do = do_block.load([tile_start, 0])
-        elif MASKED or not EVEN_D:
-            qT = tl.load(qT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_M)
-            do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
-        else:
-            qT = tl.load(qT_block)
-            do = tl.load(do_block)
+        qT = load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
+        do = load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
         if MASKED:
             # Rows past n_queries get L = +inf, so their P is exactly 0.
             lse = tl.load(lse_row + offs_m, mask=offs_m < n_queries, other=float("inf"))
@@ -111,21 +105,14 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
 def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
-    """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. With USE_TMA, kT_block
-    and vT_block are tensor descriptors of K and V ((n_keys, head_dim))."""
+    """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. kT_block and vT_block
+    come from `tiles.operand_tiles` (K and V transposed)."""
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         vT_block = tl.advance(vT_block, (0, start_n))
     for tile_start in range(start_n, end_n, BLOCK_N):
-        if USE_TMA:
-            kT = tl.trans(kT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_N)
-            vT = tl.trans(vT_block.load([tile_start, 0]))
-        elif MASKED or not EVEN_D:
-            kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
-            vT = tl.load(vT_block, boundary_check=(0, 1), padding_option="zero")
-        else:
-            kT = tl.load(kT_block)
-            vT = tl.load(vT_block)
+        kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
+        vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
@@ -219,16 +206,9 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
-        qT_block = tl.make_tensor_descriptor(q_base, shape=[n_queries, head_dim], strides=[stride_qn, 1],
-                                             block_shape=[BLOCK_M, BLOCK_D])
-        do_block = tl.make_tensor_descriptor(do_base, shape=[n_queries, head_dim], strides=[stride_don, 1],
-                                             block_shape=[BLOCK_M, BLOCK_D])
-    else:
-        qT_block = tl.make_block_ptr(q_base, shape=(head_dim, n_queries), strides=(stride_qd, stride_qn),
-                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_M), order=(0, 1))
-        do_block = tl.make_block_ptr(do_base, shape=(n_queries, head_dim), strides=(stride_don, stride_dod),
-                                     offsets=(0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    qT_block = operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, True, USE_TMA)
+    do_block = operand_tiles(do_base, n_queries, head_dim, stride_don, stride_dod, BLOCK_M, BLOCK_D, False,
+                             USE_TMA)
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
     k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
@@ -298,16 +278,8 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                                  block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
-        kT_block = tl.make_tensor_descriptor(k_base, shape=[n_keys, head_dim], strides=[stride_kn, 1],
-                                             block_shape=[BLOCK_N, BLOCK_D])
-        vT_block = tl.make_tensor_descriptor(v_base, shape=[n_keys, head_dim], strides=[stride_vn, 1],
-                                             block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
-                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
-        vT_block = tl.make_block_ptr(v_base, shape=(head_dim, n_keys), strides=(stride_vd, stride_vn),
-                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
+    kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    vT_block = operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, True, USE_TMA)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")

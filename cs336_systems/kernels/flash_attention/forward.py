@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
+from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 LOG2E = 1.4426950408889634
 MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
@@ -30,22 +31,14 @@ MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 u
 def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_n, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
-    """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile. With USE_TMA,
-    kT_block and v_block are tensor descriptors of K and V ((n_keys, head_dim), rows past the end and
-    columns past head_dim read as zeros by the copy engine)."""
+    """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile. kT_block and
+    v_block come from `tiles.operand_tiles` (K transposed, V as is)."""
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         v_block = tl.advance(v_block, (start_n, 0))
     for tile_start in range(start_n, end_n, BLOCK_N):
-        if USE_TMA:
-            kT = tl.trans(kT_block.load([tile_start, 0]))  # (BLOCK_D, BLOCK_N)
-            v = v_block.load([tile_start, 0])
-        elif MASKED or not EVEN_D:
-            kT = tl.load(kT_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_D, BLOCK_N)
-            v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_N, BLOCK_D)
-        else:
-            kT = tl.load(kT_block)
-            v = tl.load(v_block)
+        kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
+        v = load_tile(v_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -111,21 +104,12 @@ def flash_forward_kernel(Q, K, V, O, L,
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     m0 = query_tile * BLOCK_M
 
-    if USE_TMA:  # the host checked: unit stride along d, 16-byte aligned rows and bases
-        kT_block = tl.make_tensor_descriptor(k_base, shape=[n_keys, head_dim], strides=[stride_kn, 1],
-                                             block_shape=[BLOCK_N, BLOCK_D])
-        v_block = tl.make_tensor_descriptor(v_base, shape=[n_keys, head_dim], strides=[stride_vn, 1],
-                                            block_shape=[BLOCK_N, BLOCK_D])
-        q = tl.make_tensor_descriptor(q_base, shape=[n_queries, head_dim], strides=[stride_qn, 1],
-                                      block_shape=[BLOCK_M, BLOCK_D]).load([m0, 0])
-    else:
-        q_block = tl.make_block_ptr(q_base, shape=(n_queries, head_dim), strides=(stride_qn, stride_qd),
-                                    offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-        kT_block = tl.make_block_ptr(k_base, shape=(head_dim, n_keys), strides=(stride_kd, stride_kn),
-                                     offsets=(0, 0), block_shape=(BLOCK_D, BLOCK_N), order=(0, 1))
-        v_block = tl.make_block_ptr(v_base, shape=(n_keys, head_dim), strides=(stride_vn, stride_vd),
-                                    offsets=(0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-        q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")  # (BLOCK_M, BLOCK_D)
+    kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    v_block = operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, False, USE_TMA)
+    q_tiles = operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, False, USE_TMA)
+    if not USE_TMA:
+        q_tiles = tl.advance(q_tiles, (m0, 0))
+    q = load_tile(q_tiles, m0, True, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
     offs_m = m0 + tl.arange(0, BLOCK_M)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)

@@ -1,0 +1,46 @@
+"""How the FlashAttention kernels' inner loops read (rows, head_dim) tiles of one (batch, head).
+
+Two ways, chosen by the USE_TMA constexpr, behind one pair of helpers so the three kernels
+(forward, dK/dV pass, dQ pass) spell it once:
+* a block pointer at row 0, over the (rows, head_dim) matrix or, TRANSPOSED, over its
+  (head_dim, rows) view (loads give (BLOCK_D, BLOCK_ROWS) tiles, the B operand of S = Q K^T);
+  the loop advances it, and loads bound-check where MASKED or head_dim < BLOCK_D;
+* a tensor descriptor (Hopper's copy engine), addressed by row: rows past the end and columns
+  past head_dim read as zeros; the host checks unit stride along d and 16-byte alignment
+  (`function.tma_eligible`). A TRANSPOSED load transposes the (BLOCK_ROWS, BLOCK_D) tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def operand_tiles(base, n_rows, head_dim, stride_row, stride_d, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                  TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr):
+    """The tiles of a (n_rows, head_dim) matrix at `base` that a loop walks BLOCK_ROWS rows at a time."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, head_dim], strides=[stride_row, 1],
+                                         block_shape=[BLOCK_ROWS, BLOCK_D])
+    elif TRANSPOSED:
+        return tl.make_block_ptr(base, shape=(head_dim, n_rows), strides=(stride_d, stride_row), offsets=(0, 0),
+                                 block_shape=(BLOCK_D, BLOCK_ROWS), order=(0, 1))
+    else:
+        return tl.make_block_ptr(base, shape=(n_rows, head_dim), strides=(stride_row, stride_d), offsets=(0, 0),
+                                 block_shape=(BLOCK_ROWS, BLOCK_D), order=(1, 0))
+
+
+@triton.jit
+def load_tile(tiles, row, CHECKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr):
+    """The tile at `row` (descriptors; a block pointer is already there): (BLOCK_ROWS, BLOCK_D), or
+    (BLOCK_D, BLOCK_ROWS) when TRANSPOSED. CHECKED: zero-fill past the matrix (block pointers)."""
+    if USE_TMA:
+        tile = tiles.load([row, 0])
+        if TRANSPOSED:
+            tile = tl.trans(tile)
+    elif CHECKED:
+        tile = tl.load(tiles, boundary_check=(0, 1), padding_option="zero")
+    else:
+        tile = tl.load(tiles)
+    return tile

@@ -24,7 +24,15 @@ import torch
 from tqdm import tqdm
 
 import cs336_basics.model as basics_model
-from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
+from cs336_systems.bench.common import (
+    DTYPES,
+    add_common_arguments,
+    error_message,
+    free_memory,
+    is_oom,
+    list_of,
+    positive_int,
+)
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, time_fn
@@ -201,7 +209,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
         except Exception as error:
             status = "oom" if is_oom(error) else "unsupported"
             store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms", status=status,
-                      message=(str(error).splitlines() or [type(error).__name__])[0][:300])
+                      message=error_message(error))
         finally:
             q = k = v = grad_out = None
             free_memory(device)

@@ -32,7 +32,7 @@ import torch
 import triton
 from tqdm import tqdm
 
-from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, list_of
+from cs336_systems.bench.common import DTYPES, add_common_arguments, error_message, free_memory, list_of
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
@@ -110,24 +110,17 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
-    from cs336_systems.kernels.flash_attention.function import (
-        _install_descriptor_allocator,
-        backward_launches,
-        forward_launch,
-    )
+    from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal)
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
-    _install_descriptor_allocator(q.device)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
+    tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
-    preprocess()  # D, read by the backward kernels (each launch set has its own)
-    fused_preprocess()
+    for write_delta in (preprocess, tma_preprocess, fused_preprocess):  # D, read by each set's kernels
+        write_delta()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
-    # Fresh random inputs are contiguous and aligned: they qualify for descriptors (function.tma_eligible).
-    dkdv_tma = dataclasses.replace(dkdv, flags=dkdv.flags | dict(USE_TMA=True))
-    dq_tma = dataclasses.replace(dq, flags=dq.flags | dict(USE_TMA=True))
     return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
                 **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
                    "dq-tma": dq_tma})
@@ -144,7 +137,7 @@ def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tu
             torch.cuda.synchronize()
             results.append(((kernel, config), None))
         except Exception as error:  # out of shared memory / registers: recorded, not fatal
-            results.append(((kernel, config), (str(error).splitlines() or [type(error).__name__])[0][:200]))
+            results.append(((kernel, config), error_message(error, 200)))
     return results
 
 
@@ -191,7 +184,7 @@ def run(args) -> int:
                     timing = bench_kernel(launches[kernel].with_config(*config), device=args.device,
                                           warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
                 except Exception as failure:
-                    error = (str(failure).splitlines() or [type(failure).__name__])[0][:200]
+                    error = error_message(failure, 200)
             if error is not None:
                 store.add(provider="triton", config=row, metric="time", unit="ms", status="unsupported",
                           message=error)
@@ -220,7 +213,7 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
                           stats=timing.stats())
             except Exception as error:
                 store.add(provider=provider, config=base | dict(kernel=p), metric="time", unit="ms",
-                          status="unsupported", message=(str(error).splitlines() or ["error"])[0][:200])
+                          status="unsupported", message=error_message(error, 200))
             finally:
                 q = k = v = None
     from cs336_systems.kernels.flash_attention.function import chosen_configs

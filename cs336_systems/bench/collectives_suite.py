@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.common import add_common_arguments, list_of, positive_int
+from cs336_systems.bench.common import add_common_arguments, error_message, list_of, positive_int
 from cs336_systems.bench.distributed_common import (
     add_launch_arguments,
     gather_samples,
@@ -86,7 +86,7 @@ def _rank_main(args) -> None:
                 if store:
                     store.add(provider="ours", config=config, metric="time", unit="ms",
                               status="oom" if "out of memory" in str(error).lower() else "error",
-                              message=str(error).splitlines()[0][:300])
+                              message=error_message(error))
                 continue
             if store:
                 stats = slowest_rank_stats(per_rank, args.warmup)

@@ -82,5 +82,10 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def error_message(error: BaseException, limit: int = 300) -> str:
+    """The first line of an error, for a result row's message (its type when the text is empty)."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:limit]
+
+
 def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

@@ -16,9 +16,9 @@ from cs336_systems.bench.common import positive_int
 from cs336_systems.parallel import comm
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=positive_int("--world-size"), default=2,
-                        help="processes to spawn when not under torchrun (default 2)")
+def add_launch_arguments(parser: argparse.ArgumentParser, default_world_size: int = 2) -> None:
+    parser.add_argument("--world-size", type=positive_int("--world-size"), default=default_world_size,
+                        help=f"processes to spawn when not under torchrun (default {default_world_size})")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: nccl with CUDA, gloo otherwise")
 

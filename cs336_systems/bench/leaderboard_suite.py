@@ -47,8 +47,16 @@ import torch
 from cs336_basics.nn_utils import cross_entropy
 from cs336_basics.optimizer import AdamW
 from cs336_systems.attention import attention_names, use_attention
-from cs336_systems.bench.common import DTYPES, add_common_arguments, free_memory, is_oom, list_of, positive_int
-from cs336_systems.bench.distributed_common import launch, local_device
+from cs336_systems.bench.common import (
+    DTYPES,
+    add_common_arguments,
+    error_message,
+    free_memory,
+    is_oom,
+    list_of,
+    positive_int,
+)
+from cs336_systems.bench.distributed_common import add_launch_arguments, launch, local_device
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
@@ -91,10 +99,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=2000.0)
     parser.add_argument("--rep-ms", type=float, default=6000.0)
     parser.add_argument("--verify", action="store_true", help="check loss and gradients against the plain step")
-    parser.add_argument("--world-size", type=positive_int("--world-size"), default=1,
-                        help="ranks to spawn when not under torchrun (default 1: one process)")
-    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                        help="with several ranks: default nccl with CUDA, gloo otherwise")
+    add_launch_arguments(parser, default_world_size=1)
     parser.add_argument("--ddp", choices=list(DDP_VARIANTS), default="overlap",
                         help="our DDP variant with several ranks (default overlap)")
     add_common_arguments(parser)
@@ -412,7 +417,7 @@ def _run_rank(args) -> int:
                     raise SystemExit(f"rank {comm.rank()}: out of memory with checkpoint policy {policy} "
                                      f"({provider}); give --checkpoint a policy with more recompute") from None
                 store.add(provider=provider, config=config, metric="step_time", unit="ms", status="oom",
-                          message=str(error).splitlines()[0][:300])
+                          message=error_message(error))
                 print(f"{provider}: out of memory with checkpoint policy {policy}; trying the next")
             finally:
                 build = None

@@ -14,7 +14,15 @@ from __future__ import annotations
 import torch
 
 from cs336_basics.model import RMSNorm, TransformerBlock
-from cs336_systems.bench.common import DTYPES, add_common_arguments, autocast_context, free_memory, positive_int
+from cs336_systems.bench.common import (
+    DTYPES,
+    add_common_arguments,
+    autocast_context,
+    error_message,
+    free_memory,
+    is_oom,
+    positive_int,
+)
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.checkpointing import parse_policy
@@ -162,12 +170,12 @@ def search(args) -> int:
         try:
             peak, seconds = _measure_policy(cfg, policy, args, device)
         except Exception as error:  # out of memory is a result, and the search goes on
-            failure = ("oom" if "out of memory" in str(error).lower() else "error", str(error))
+            failure = ("oom" if is_oom(error) else "error", error_message(error))
         if failure:
             # Outside the except block: the traceback (and the frames holding the failed model) is gone.
             free_memory(device)
             store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=failure[0],
-                      message=failure[1].splitlines()[0][:300])
+                      message=failure[1])
             rows.append(dict(policy=policy, peak_GiB=failure[0], predicted_GiB=predicted and predicted / 2**30,
                              step_ms=None))
             continue

@@ -29,6 +29,7 @@ from cs336_systems.bench.common import (
     DTYPES,
     add_common_arguments,
     autocast_context,
+    error_message,
     free_memory,
     is_oom,
     list_of,
@@ -220,7 +221,7 @@ def run(args) -> int:
 def _record_failure(store: ResultStore, provider: str, config: dict, metric: str, error: BaseException) -> None:
     """A failed configuration is a row with its status; the sweep goes on."""
     status = "oom" if is_oom(error) else "error"
-    message = (str(error).splitlines() or [type(error).__name__])[0][:300]
+    message = error_message(error)
     if status == "error":
         traceback.print_exception(error, file=sys.stderr)
     store.add(provider=provider, config=config, metric=metric, unit="ms", status=status, message=message)

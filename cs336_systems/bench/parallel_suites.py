@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_basics.nn_utils import cross_entropy
-from cs336_systems.bench.common import DTYPES, add_common_arguments, list_of, positive_int
+from cs336_systems.bench.common import DTYPES, add_common_arguments, error_message, list_of, positive_int
 from cs336_systems.bench.distributed_common import (
     add_launch_arguments,
     gather_samples,
@@ -132,7 +132,7 @@ def _failure_row(store, provider, config, error):
     if store:
         store.add(provider=provider, config=config, metric="step_time", unit="ms",
                   status="oom" if "out of memory" in str(error).lower() else "error",
-                  message=(str(error).splitlines() or [type(error).__name__])[0][:300])
+                  message=error_message(error))
 
 
 # ---- ddp ----

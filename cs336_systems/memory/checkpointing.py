@@ -34,7 +34,12 @@ import math
 import types
 
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 POLICIES = ("none", "every-block", "every-k:K", "partial:M", "sqrt", "nested", "ffn", "attn")
 KEEP_ATTENTION = "+keep-attn"
@@ -77,9 +82,8 @@ def _run(blocks, x):
 
 
 def _checkpointed(fn, *args, keep_attention: bool = False):
-    if keep_attention:
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=_keep_attention_contexts)
-    return checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=_keep_attention_contexts if keep_attention else noop_context_fn)
 
 
 @functools.cache

@@ -87,6 +87,12 @@ def boundary_bytes(cfg: ModelConfig, batch: int, seq: int, dtype: str = "fp32") 
     return batch * seq * cfg.d_model * _dtype_bytes(dtype)
 
 
+def kept_attention_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str, attention: str = "flash",
+                         dtype: str = "fp32") -> int:
+    """What `policy` keeps per checkpointed block beyond its input: the attention output for +keep-attn."""
+    return attention_output_bytes(cfg, batch, seq, attention, dtype) if keeps_attention(policy) else 0
+
+
 def attention_output_bytes(cfg: ModelConfig, batch: int, seq: int, attention: str = "flash",
                            dtype: str = "fp32") -> int:
     """What a `+keep-attn` policy keeps per checkpointed block: the flash attention's O (tokens x d) and
@@ -153,7 +159,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
     boundary = boundary_bytes(cfg, batch, seq, dtype)
     # With +keep-attn a checkpointed block keeps its attention output beside its input; the group being
     # recomputed reuses its own (already in `block`).
-    kept = attention_output_bytes(cfg, batch, seq, attention, dtype) if keeps_attention(policy) else 0
+    kept = kept_attention_bytes(cfg, batch, seq, policy, attention, dtype)
     head = head_and_loss_bytes(cfg, batch, seq, dtype, fused, loss)
     ffn = ffn_activation_bytes(cfg, batch, seq, dtype, fused)
     if name == "none":
@@ -173,27 +179,24 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
     return math.ceil(n / k) * boundary + (n - k) * kept + k * block + head
 
 
-def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, attention_output: int = 0
+def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, kept: int = 0
             ) -> list[tuple[int, int, int]] | None:
     """(blocks, bytes kept after forward, bytes live during its backward) per group in forward order,
-    for the policies the walk covers; None for nested and attn (the sum of parts bounds them).
-    `attention_output`: what +keep-attn keeps per checkpointed block (its recompute then reuses it, so
-    a group's live bytes are unchanged)."""
+    for the policies the walk covers; None for nested and attn (the sum of parts estimates them).
+    `kept`: what the policy keeps per checkpointed block beyond its input (`kept_attention_bytes`; its
+    recompute reuses it, so a group's live bytes are unchanged)."""
     name, arg = parse_policy(policy)
-    if not keeps_attention(policy):
-        attention_output = 0
     if name == "none":
         return [(1, block, block)] * n
     if name == "partial":
         m = min(arg, n)
-        return [(1, boundary + attention_output, block)] * m + [(1, block, block)] * (n - m)
+        return [(1, boundary + kept, block)] * m + [(1, block, block)] * (n - m)
     if name == "ffn":  # the SwiGLU's activations are recomputed inside each block's backward
         return [(1, block - ffn, block)] * n
     k = group_size(policy, n)
     if k is None:
         return None
-    return [(min(k, n - i), boundary + min(k, n - i) * attention_output, min(k, n - i) * block)
-            for i in range(0, n, k)]
+    return [(min(k, n - i), boundary + min(k, n - i) * kept, min(k, n - i) * block) for i in range(0, n, k)]
 
 
 def _backward_walk(groups, block_grads: int, head_saved: int, logits: int, head_grads: int, embedding_grads: int,
@@ -243,7 +246,7 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
     groups = _groups(policy, cfg.num_layers, block, boundary_bytes(cfg, batch, seq, dtype),
                      ffn_activation_bytes(cfg, batch, seq, dtype, fused),
-                     attention_output_bytes(cfg, batch, seq, attention, dtype))
+                     kept_attention_bytes(cfg, batch, seq, policy, attention, dtype))
     if groups is None:
         peak = params + states + grads + activations + logits
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, attention-tune-ws, model,
+# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -44,11 +44,6 @@ run_stage() {
     attention-tune)
       # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).
       python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,forward-tma,dkdv,dkdv-tma,dq,dq-tma}" \
-        --no-progress --results-dir "$R" 2>&1 | tail -45
-      ;;
-    attention-tune-ws)
-      # The warp-specialized kernels on their own (a compiler crash takes only this stage down).
-      python3 -m cs336_systems.bench attention-tune --kernel forward-ws,dkdv-ws,dq-ws \
         --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
     attention-full)

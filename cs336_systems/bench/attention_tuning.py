@@ -38,16 +38,14 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "forward-ws", "dkdv", "dkdv-tma", "dkdv-ws", "dq", "dq-tma", "dq-ws", "fused",
-           "fused-atomic")
+KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
-# their inner loops' tiles through descriptors; `-ws` the `-tma` kernels with their main loop warp-specialized
-# by the compiler (Hopper: producer warps issue the copies, consumer warps the products).
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-ws": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0,
-                      "dkdv-ws": 2.0, "dq": 1.5, "dq-tma": 1.5, "dq-ws": 1.5, "fused": 2.5, "fused-atomic": 2.5}
+# their inner loops' tiles through descriptors.
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
+                      "fused": 2.5, "fused-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -58,8 +56,9 @@ TILES = {
     "fused": [(16, 64), (32, 64), (64, 64), (16, 128), (32, 128), (64, 128), (128, 128)],
 }
 TILES["fused-atomic"] = TILES["fused"]
-for base in ("forward", "dkdv", "dq"):
-    TILES[f"{base}-tma"] = TILES[f"{base}-ws"] = TILES[base]
+TILES["forward-tma"] = TILES["forward"]
+TILES["dkdv-tma"] = TILES["dkdv"]
+TILES["dq-tma"] = TILES["dq"]
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
@@ -118,19 +117,13 @@ def _launches(inputs, causal: bool) -> dict:
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
-    forward_ws, _, _ = forward_launch(q, k, v, causal, use_tma=True, warp_specialize=True)
-    ws_preprocess, dkdv_ws, dq_ws, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True,
-                                                         warp_specialize=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
-    for write_delta in (preprocess, tma_preprocess, ws_preprocess, fused_preprocess):  # D, read by each set's kernels
+    for write_delta in (preprocess, tma_preprocess, fused_preprocess):  # D, read by each set's kernels
         write_delta()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
-    launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
-                    **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
-                       "dq-tma": dq_tma, "forward-ws": forward_ws, "dkdv-ws": dkdv_ws, "dq-ws": dq_ws})
-    # Without descriptors (inputs not eligible) the -tma/-ws launches are the plain kernels: not timed twice.
-    return {name: launch for name, launch in launches.items()
-            if not name.endswith(("-tma", "-ws")) or launch.flags.get("USE_TMA")}
+    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
+                **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
+                   "dq-tma": dq_tma})
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
@@ -186,8 +179,6 @@ def run(args) -> int:
             row = base | dict(kernel=kernel, block_m=config[0], block_n=config[1], num_warps=config[2],
                               num_stages=config[3])
             error = errors.get((kernel, config))
-            if kernel not in launches:
-                error = f"{kernel} needs tensor descriptors; these inputs do not qualify (function.tma_eligible)"
             if error is None:
                 try:
                     timing = bench_kernel(launches[kernel].with_config(*config), device=args.device,

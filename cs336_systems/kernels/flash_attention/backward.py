@@ -61,8 +61,7 @@ def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, strid
 def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
                       qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False,
-                      WARP_SPECIALIZE: tl.constexpr = False):
+                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV; with DQ_REDUCE,
     also add this key tile's share of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA
     descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1).
@@ -70,7 +69,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
         do_block = tl.advance(do_block, (start_m, 0))
-    for tile_start in tl.range(start_m, end_m, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
+    for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
         qT = load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
         do = load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
@@ -105,13 +104,13 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                  PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. kT_block and vT_block
     come from `tiles.operand_tiles` (K and V transposed)."""
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         vT_block = tl.advance(vT_block, (0, start_n))
-    for tile_start in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for tile_start in range(start_n, end_n, BLOCK_N):
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
@@ -186,8 +185,7 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False,
-                      WARP_SPECIALIZE: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False):
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     n0 = tl.program_id(0) * BLOCK_N
@@ -232,7 +230,7 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
                                full_query_tiles_end, n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL,
-                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, WARP_SPECIALIZE)
+                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
                                n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
                                BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
@@ -266,7 +264,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                    USE_TMA: tl.constexpr = False):
     n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
     query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -297,7 +295,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
-                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA, WARP_SPECIALIZE)
+                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
                        True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq_block = tl.make_block_ptr(dQ + batch_head.to(tl.int64) * n_queries * head_dim, shape=(n_queries, head_dim),

@@ -30,15 +30,13 @@ MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 u
 @triton.jit
 def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_n, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
-                      WARP_SPECIALIZE: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Fold key tiles [start_n, end_n) into the running (acc, m_i, l_i) of one query tile. kT_block and
-    v_block come from `tiles.operand_tiles` (K transposed, V as is). WARP_SPECIALIZE (descriptors only):
-    the compiler splits the loop into producer warps (tile loads) and consumer warps (products)."""
+    v_block come from `tiles.operand_tiles` (K transposed, V as is)."""
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         v_block = tl.advance(v_block, (start_n, 0))
-    for tile_start in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for tile_start in range(start_n, end_n, BLOCK_N):
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         v = load_tile(v_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
@@ -94,7 +92,7 @@ def flash_forward_kernel(Q, K, V, O, L,
                          n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
                          IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         USE_TMA: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False):
+                         USE_TMA: tl.constexpr = False):
     n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
     # Causal: the last query tiles see the most keys; start them first.
     query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
@@ -126,8 +124,7 @@ def flash_forward_kernel(Q, K, V, O, L,
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, 0, unmasked_end, n_keys,
-                                      qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA,
-                                      WARP_SPECIALIZE)
+                                      qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,
                                       n_keys, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
 

@@ -106,14 +106,12 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, use_tma: bool = False,
-                   warp_specialize: bool = False):
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, use_tma: bool = False):
     """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
 
     use_tma: load Q/K/V and store O through tensor descriptors (Hopper's copy engine) where the inputs
     qualify (`tma_eligible`); an experiment for `cs336-bench attention-tune` (kernel `forward-tma`)
-    until it is measured faster. warp_specialize (with use_tma): the compiler's producer/consumer warp
-    split of the main loop (kernel `forward-ws`)."""
+    until it is measured faster."""
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -127,7 +125,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if use_tma and tma_eligible(q4, k4, v4, o4):
         _install_descriptor_allocator(q.device)
-        flags.update(USE_TMA=True, WARP_SPECIALIZE=warp_specialize)
+        flags["USE_TMA"] = True
     launch = KernelLaunch(flash_forward_kernel, args, flags,
                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return launch, out, lse
@@ -180,15 +178,13 @@ def _(q, k, v, is_causal):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
-                      warp_specialize: bool = False):
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
     and finish() scales and casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
     (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
-    `attention-tune`, kernels dkdv-tma and dq-tma); warp_specialize adds the compiler's producer/consumer
-    warp split of their main loops (dkdv-ws, dq-ws).
+    `attention-tune`, kernels dkdv-tma and dq-tma).
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -211,7 +207,7 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if use_tma and tma_eligible(q4, k4, v4, do4):
         _install_descriptor_allocator(q.device)
-        flags.update(USE_TMA=True, WARP_SPECIALIZE=warp_specialize and not fused)
+        flags["USE_TMA"] = True
 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)

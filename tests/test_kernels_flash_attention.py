@@ -271,13 +271,26 @@ def test_forward_through_tensor_descriptors_matches(shape, causal):
     device = kernel_device()
     b, h, n, m, d = shape
     q, k, v = _inputs(b, h, n, m, d, torch.float32, device)
-    plain, out, lse = forward_launch(q.detach(), k.detach(), v.detach(), causal)
+    plain, out, lse = forward_launch(q.detach(), k.detach(), v.detach(), causal, use_tma=False)
     tma, out_tma, lse_tma = forward_launch(q.detach(), k.detach(), v.detach(), causal, use_tma=True)
     assert tma.flags.get("USE_TMA") is True
     plain()
     tma()
+    assert "USE_TMA" not in plain.flags
     torch.testing.assert_close(out_tma, out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse_tma, lse, rtol=1e-6, atol=1e-6)
+
+
+def test_forward_takes_descriptors_by_default_only_on_hopper():
+    from cs336_systems.kernels.flash_attention.function import _has_tma, forward_launch
+
+    device = kernel_device()
+    q, k, v = (t.detach() for t in _inputs(1, 2, 64, 64, 32, torch.bfloat16, device))
+    launch, _, _ = forward_launch(q, k, v, True)
+    expected = q.device.type == "cuda" and _has_tma(q.device)
+    assert launch.flags.get("USE_TMA", False) is expected
+    odd, _, _ = forward_launch(q[..., :20], k[..., :20], v[..., :20], True)  # 40-byte rows: never eligible
+    assert "USE_TMA" not in odd.flags
 
 
 def test_tma_eligibility():

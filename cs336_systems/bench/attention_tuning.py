@@ -113,7 +113,7 @@ def _launches(inputs, causal: bool) -> dict:
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
 
     q, k, v, out, lse, grad_out = inputs
-    forward, _, _ = forward_launch(q, k, v, causal)
+    forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)

@@ -106,12 +106,16 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, use_tma: bool = False):
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   use_tma: bool | None = None):
     """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
 
-    use_tma: load Q/K/V and store O through tensor descriptors (Hopper's copy engine) where the inputs
-    qualify (`tma_eligible`); an experiment for `cs336-bench attention-tune` (kernel `forward-tma`)
-    until it is measured faster."""
+    use_tma: load Q/K/V and store O through tensor descriptors (the copy engine) where the inputs
+    qualify (`tma_eligible`). None (default): on Hopper and later, where `cs336-bench attention-tune`
+    measured it faster (H200, bf16 causal: 16.2 against 17.7 ms at 1x32x32768x128, 10.7 against 10.9 ms
+    at 4x32x16384x64; results/attention-tune.jsonl)."""
+    if use_tma is None:
+        use_tma = _has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -138,9 +142,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse
 
 
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later: the copy engine behind tensor descriptors."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _dq_reduce_mode(device: torch.device) -> int:
     """2: TMA descriptor reduce-add (Hopper and later); 1: pointer atomics (older GPUs, the interpreter)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+    if _has_tma(device):
         _install_descriptor_allocator(device)
         return 2
     return 1

@@ -57,7 +57,7 @@ def test_fused_kernels_verify_under_the_interpreter(tmp_path):
 def test_policy_ladder_follows_the_memory_model(monkeypatch):
     import torch
 
-    from cs336_systems.bench.leaderboard_suite import policy_candidates, recompute_flops
+    from cs336_systems.bench.leaderboard_suite import policy_candidates, recompute_cost, recompute_flops
     from cs336_systems.config import ModelConfig
     from cs336_systems.memory.model import predict
 
@@ -71,14 +71,19 @@ def test_policy_ladder_follows_the_memory_model(monkeypatch):
     def fits(policy):
         return predict(cfg, 1, 32768, policy=policy, **kw).peak < 0.92 * free
 
-    # The first rung is the least recompute that fits: a +keep-attn variant (no attention recomputed)
-    # with a few more checkpointed blocks beats partial:21.
+    # The first rung is the least recompute that fits: fewer fully checkpointed blocks (keeping their
+    # attention) with the rest selective beats partial:21 and the best plain +keep-attn rung.
     first = ladder[0]
-    assert fits(first) and first.endswith("+keep-attn")
-    assert recompute_flops(cfg, 1, 32768, first) < recompute_flops(cfg, 1, 32768, "partial:21")
+    assert fits(first) and first.endswith("+keep-attn+selective")
+    checkpointed = int(first.removesuffix("+keep-attn+selective").partition(":")[2])
+    assert not fits(f"partial:{checkpointed - 1}+keep-attn+selective")  # one block fewer does not fit
+    best_keep_attn = next(p for p in ladder if p.endswith("+keep-attn"))
+    assert int(best_keep_attn.removesuffix("+keep-attn").partition(":")[2]) > checkpointed
+    cost = {p: recompute_cost(cfg, 1, 32768, p) for p in (first, best_keep_attn, "partial:21")}
+    assert cost[first] < cost[best_keep_attn] < cost["partial:21"]
     assert fits("partial:21") and not fits("partial:20") and "partial:21" in ladder
-    checkpointed = int(first.removesuffix("+keep-attn").partition(":")[2])
-    assert not fits(f"partial:{checkpointed - 1}+keep-attn")  # one block fewer does not fit
+    assert recompute_flops(cfg, 1, 32768, "selective") == 0  # no product is recomputed...
+    assert 0 < recompute_cost(cfg, 1, 32768, "selective") < recompute_cost(cfg, 1, 32768, "partial:2")  # ...only copies
     assert ladder[-2:] == ["every-block", "nested"] and ladder.index("every-block+keep-attn") < len(ladder) - 2
     # ffn (recompute each SwiGLU) sorts by its recomputed FLOPs between partial:13 and partial:14.
     flops = {p: recompute_flops(cfg, 1, 32768, p) for p in ("partial:13", "ffn", "partial:14")}

@@ -9,7 +9,8 @@ from cs336_systems.memory.checkpointing import apply_checkpointing, group_size, 
 from cs336_systems.memory.live_bytes import retained_bytes
 from tests._support import kernel_device
 
-POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "partial:2", "partial:9", "sqrt", "nested", "ffn", "attn"]
+POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "partial:2", "partial:9", "sqrt", "nested", "ffn", "attn",
+            "selective", "partial:2+selective"]
 
 
 def _grads(policy, layers=5):
@@ -178,3 +179,95 @@ def test_keep_attn_composes_with_per_block_compile(attention_forward_calls):
     assert eager_calls == compiled_calls == 2
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6)
+
+
+# ---- selective: keep the products and attention outputs, recompute only pointwise ops ----
+
+def test_selective_parsing():
+    from cs336_systems.memory.checkpointing import keeps_attention, selective_rest
+
+    assert parse_policy("selective") == ("partial", 0) and selective_rest("selective")
+    assert parse_policy("partial:3+keep-attn+selective") == ("partial", 3)
+    assert keeps_attention("partial:3+keep-attn+selective") and selective_rest("partial:3+keep-attn+selective")
+    assert not selective_rest("partial:3+keep-attn") and not keeps_attention("partial:3+selective")
+    with pytest.raises(ValueError, match=r"\+selective applies to partial:M"):
+        parse_policy("every-block+selective")
+    with pytest.raises(ValueError, match=r"\+selective applies to partial:M"):
+        parse_policy("selective+selective")
+    with pytest.raises(ValueError, match=r"write \+keep-attn before \+selective"):
+        parse_policy("partial:3+selective+keep-attn")
+
+
+class _ProductCounter:
+    """Counts matmul ops (mm, bmm, addmm) at the dispatcher while active."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        products = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.count += func in products
+                return func(*args, **(kwargs or {}))
+
+        self.count, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("policy", ["selective", "partial:1+keep-attn+selective"])
+def test_selective_recomputes_no_product_and_no_attention(policy, attention_forward_calls):
+    """Backward runs exactly the products of the plain step's backward (none recomputed; the full
+    checkpoint of partial:1 recomputes its block's six but w2), attention is never run again, and the
+    gradients are bitwise those of plain checkpointing."""
+    from cs336_systems.attention import use_attention
+
+    def step(policy):
+        device = kernel_device()
+        attention_forward_calls[0] = 0
+        torch.manual_seed(0)
+        model = apply_checkpointing(ModelConfig.from_name("tiny", num_layers=3, context_length=32).build(device=device),
+                                    policy)
+        tokens = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
+        with use_attention("triton"):
+            loss = cross_entropy(model(tokens), tokens)
+            forwards = attention_forward_calls[0]
+            with _ProductCounter() as products:
+                loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        return grads, products.count, attention_forward_calls[0] - forwards
+
+    plain_grads, plain_products, _ = step("none")
+    checkpointed_grads, _, _ = step("every-block")
+    grads, products, attention_again = step(policy)
+    fully_checkpointed = parse_policy(policy)[1]
+    assert attention_again == 0
+    assert products == plain_products + 6 * fully_checkpointed  # q, k, v, o, w1, w3 (early stop spares w2)
+    for name in grads:
+        assert torch.equal(grads[name], checkpointed_grads[name]), name
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-6, atol=1e-7)
+
+
+def test_selective_holds_what_the_memory_model_counts():
+    from cs336_systems.attention import use_attention
+    from cs336_systems.memory.model import selective_block_bytes
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=4, context_length=64)
+
+    def held(policy):
+        torch.manual_seed(0)
+        model = apply_checkpointing(cfg.build(device=device), policy)
+        tokens = torch.randint(0, 512, (2, 64), device=device)
+        with use_attention("triton"):
+            return retained_bytes(lambda: model(tokens).sum())[1]
+
+    every, selective, none = held("every-block"), held("selective"), held("none")
+    assert selective - every == pytest.approx(4 * selective_block_bytes(cfg, 2, 64, "flash", "fp32"), rel=0.05)
+    assert every < selective < 0.8 * none

@@ -128,3 +128,23 @@ def test_keep_attn_adds_the_attention_outputs_of_checkpointed_blocks():
     assert kept.peak - plain.peak == 18 * attention_output_bytes(lb, 1, 32768, "flash", "bf16")
     same = predict(cfg, 4, 2048, policy="every-block+keep-attn", attention="reference", dtype="bf16")
     assert same == predict(cfg, 4, 2048, policy="every-block", attention="reference", dtype="bf16")
+
+
+def test_selective_blocks_keep_their_products_and_attention_outputs():
+    from cs336_systems.memory.model import attention_output_bytes, boundary_bytes, selective_block_bytes
+
+    lb = ModelConfig.from_name("leaderboard-8b")
+    kw = dict(attention="flash", dtype="bf16", fused=True, loss="fused")
+    d, f, tokens = lb.d_model, lb.d_ff, 32768
+    per_block = selective_block_bytes(lb, 1, tokens, "flash", "bf16")
+    assert per_block == tokens * (4 * d + 2 * f) * 2 + attention_output_bytes(lb, 1, tokens, "flash", "bf16")
+    # partial:M+selective holds, at the start of backward, what partial:M+keep-attn holds with its
+    # whole blocks each replaced by boundary + products: the peak drops by that difference per block.
+    whole = block_activation_bytes(lb, 1, tokens, "flash", "bf16", fused=True)
+    rest = boundary_bytes(lb, 1, tokens, "bf16") + per_block
+    plain = predict(lb, 1, tokens, policy="partial:20+keep-attn", **kw)
+    selective = predict(lb, 1, tokens, policy="partial:20+keep-attn+selective", **kw)
+    assert plain.peak - selective.peak == (lb.num_layers - 20) * (whole - rest)
+    peaks = [predict(lb, 1, tokens, policy=p, **kw).peak
+             for p in ("none", "selective", "partial:10+keep-attn+selective", "every-block+keep-attn")]
+    assert peaks == sorted(peaks, reverse=True)

@@ -60,8 +60,15 @@ from cs336_systems.bench.distributed_common import add_launch_arguments, launch,
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
-from cs336_systems.memory.checkpointing import KEEP_ATTENTION, apply_checkpointing, keeps_attention, parse_policy
-from cs336_systems.memory.model import predict
+from cs336_systems.memory.checkpointing import (
+    KEEP_ATTENTION,
+    SELECTIVE,
+    apply_checkpointing,
+    keeps_attention,
+    parse_policy,
+    selective_rest,
+)
+from cs336_systems.memory.model import block_activation_bytes, predict, selective_block_bytes
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import VARIANTS as DDP_VARIANTS
 from cs336_systems.parallel.ddp import make_ddp
@@ -91,7 +98,9 @@ def add_arguments(parser) -> None:
                         help="also our Triton RoPE (opt-in until measured on the GPU; needs --fused on)")
     parser.add_argument("--checkpoint", default="auto",
                         help="auto (the memory model's ladder), or a policy: none, every-block, every-k:K, "
-                             "partial:M, nested, ...; +keep-attn on the single-level ones keeps attention outputs")
+                             "partial:M, nested, selective, ...; +keep-attn on the single-level ones keeps "
+                             "attention outputs; partial:M[+keep-attn]+selective keeps the other blocks' "
+                             "products and recomputes only their pointwise ops")
     parser.add_argument("--optimizer", choices=["fused", "cs336"], default=None,
                         help="fused (our Triton AdamW; default on CUDA) or cs336 (cs336_basics AdamW)")
     parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
@@ -125,20 +134,41 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> floa
     return n * block  # every-block, every-k:K, sqrt: one extra forward
 
 
+# Pointwise recompute priced against products: the H200 runs bf16 matmuls at about 700 TFLOP/s and copies at
+# about 3.5 TB/s (results/leaderboard.jsonl matmul_peak; device notes), so one byte moved costs about 200 FLOPs.
+POINTWISE_FLOPS_PER_BYTE = 200.0
+
+
+def recompute_cost(cfg: ModelConfig, batch: int, seq: int, policy: str, *, attention: str = "flash",
+                   dtype: str = "bf16", fused: bool = True) -> float:
+    """The ladder's sort key, in FLOP-equivalents: `recompute_flops`, plus for each block under selective
+    checkpointing the traffic of its pointwise recompute, taken as twice what it regenerates (its
+    activations less what it keeps: written once, read about once)."""
+    cost = recompute_flops(cfg, batch, seq, policy)
+    if selective_rest(policy):
+        rest = cfg.num_layers - min(parse_policy(policy)[1], cfg.num_layers)
+        regenerated = (block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
+                       - selective_block_bytes(cfg, batch, seq, attention, dtype))
+        cost += rest * 2 * regenerated * POINTWISE_FLOPS_PER_BYTE
+    return cost
+
+
 def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
                       attention: str, fused: bool, chunk_tokens: int) -> list[str]:
-    """Policies from least to most recomputed FLOPs (none, ffn, partial:1 .. partial:N-1, every-block,
-    nested, and the +keep-attn variants, which recompute no attention at a few hundred MiB per block):
-    the first the memory model says fits in FIT_FRACTION of the free memory, then, as fallbacks after an
-    out-of-memory, the costlier ones predicted to need less memory than it."""
+    """Policies from least to most recompute (`recompute_cost`: none, ffn, partial:1 .. partial:N-1,
+    every-block, nested; the +keep-attn variants, which recompute no attention at a few hundred MiB per
+    block; and `selective` / partial:M+keep-attn+selective, whose other blocks keep their products for a
+    pointwise-only recompute): the first the memory model says fits in FIT_FRACTION of the free memory,
+    then, as fallbacks after an out-of-memory, the costlier ones predicted to need less memory than it."""
     n = cfg.num_layers
+    kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
     single = [*(f"partial:{m}" for m in range(1, n)), "every-block"]
-    ladder = sorted(["none", "ffn", *single, *(p + KEEP_ATTENTION for p in single), "nested"],
-                    key=lambda p: recompute_flops(cfg, batch, seq, p))
+    selective = ["selective", *(f"partial:{m}{KEEP_ATTENTION}{SELECTIVE}" for m in range(1, n))]
+    ladder = sorted(["none", "ffn", *single, *(p + KEEP_ATTENTION for p in single), *selective, "nested"],
+                    key=lambda p: recompute_cost(cfg, batch, seq, p, attention=kind, dtype=dtype, fused=fused))
     if device.type != "cuda":
         return ladder[:1]
     free, _ = torch.cuda.mem_get_info(device)
-    kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
     peaks = [predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
                      chunk_tokens=chunk_tokens, state_dtype=state_dtype).peak for policy in ladder]
     for i, peak in enumerate(peaks):

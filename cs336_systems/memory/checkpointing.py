@@ -25,6 +25,16 @@ checkpointed block, so the recompute runs the projections, norms and SwiGLU agai
 attention (at 32k context the most expensive part of a block's forward). It works at the dispatcher
 (torch.utils.checkpoint's selective contexts): the ops it keeps are our `cs336::flash_attention_forward`
 and SDPA's flash / cuDNN / efficient kernels; any other attention is recomputed as usual.
+
+`selective`, and the suffix `+selective` on partial:M (after any +keep-attn): the blocks that would be
+kept whole are checkpointed selectively instead, keeping the outputs of their weight products (q, k, v,
+output projection, w1, w3) and of the attention, and recomputing only the pointwise ops (norms, RoPE, the
+SwiGLU gate, residual adds: a few ms of memory traffic per block at 32k tokens, no matmul). That keeps
+about two thirds of a block for almost no recompute, so `partial:M+keep-attn+selective` fits with fewer
+fully recomputed blocks than `partial:M+keep-attn`. w2's output is not kept: the recompute stops as soon
+as the last saved tensor (w2's input) is regenerated (torch.utils.checkpoint's early stop), so w2 never
+runs again. Products are recognised by a block's parameter storages at forward time, so this is for
+unsharded blocks (DDP, one GPU), not for FSDP, whose gathered weights live in fresh storage.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import functools
 import math
 import types
 
+import torch
 import torch.nn as nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -41,21 +52,41 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-POLICIES = ("none", "every-block", "every-k:K", "partial:M", "sqrt", "nested", "ffn", "attn")
+POLICIES = ("none", "every-block", "every-k:K", "partial:M", "sqrt", "nested", "ffn", "attn", "selective")
 KEEP_ATTENTION = "+keep-attn"
 KEEP_ATTENTION_BASES = ("every-block", "every-k", "partial", "sqrt")
+SELECTIVE = "+selective"
 
 
 def keeps_attention(policy: str) -> bool:
     """True for the `+keep-attn` variants (validated)."""
     parse_policy(policy)
-    return policy.endswith(KEEP_ATTENTION)
+    return policy.removesuffix(SELECTIVE).endswith(KEEP_ATTENTION)
+
+
+def selective_rest(policy: str) -> bool:
+    """True for `selective` and the `partial:M...+selective` variants (validated): the blocks not fully
+    checkpointed keep their products and attention outputs and recompute their pointwise ops."""
+    parse_policy(policy)
+    return policy == "selective" or policy.endswith(SELECTIVE)
 
 
 def parse_policy(policy: str) -> tuple[str, int | None]:
     """'every-k:4' -> ('every-k', 4); validates the name and K. A `+keep-attn` suffix is accepted on the
-    single-level policies (see `keeps_attention`) and does not change the result."""
+    single-level policies (see `keeps_attention`) and does not change the result; `selective` is
+    ('partial', 0) and a `+selective` suffix (partial only, see `selective_rest`) does not change it either."""
+    if policy == "selective":
+        return "partial", 0
+    if policy.endswith(SELECTIVE):
+        name, arg = parse_policy(policy.removesuffix(SELECTIVE))
+        if name != "partial" or policy.removesuffix(SELECTIVE) == "selective":
+            raise ValueError(f"checkpoint policy {policy!r}: {SELECTIVE} applies to partial:M "
+                             f"(optionally partial:M{KEEP_ATTENTION}{SELECTIVE}); got it on {name!r}")
+        return name, arg
     if policy.endswith(KEEP_ATTENTION):
+        if policy.removesuffix(KEEP_ATTENTION).endswith(SELECTIVE) or policy == "selective" + KEEP_ATTENTION:
+            raise ValueError(f"checkpoint policy {policy!r}: write {KEEP_ATTENTION} before {SELECTIVE}, "
+                             f"e.g. partial:10{KEEP_ATTENTION}{SELECTIVE}")
         name, arg = parse_policy(policy.removesuffix(KEEP_ATTENTION))
         if name not in KEEP_ATTENTION_BASES:
             raise ValueError(f"checkpoint policy {policy!r}: {KEEP_ATTENTION} applies to "
@@ -81,15 +112,14 @@ def _run(blocks, x):
     return x
 
 
-def _checkpointed(fn, *args, keep_attention: bool = False):
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=_keep_attention_contexts if keep_attention else noop_context_fn)
+def _checkpointed(fn, *args, keep_attention: bool = False, context_fn=None):
+    if context_fn is None:
+        context_fn = _keep_attention_contexts if keep_attention else noop_context_fn
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn)
 
 
 @functools.cache
 def _attention_ops() -> frozenset:
-    import torch
-
     import cs336_systems.kernels.flash_attention.function  # noqa: F401  (registers cs336::flash_attention_forward)
 
     aten = torch.ops.aten
@@ -105,6 +135,37 @@ def _save_attention_outputs(ctx, op, *args, **kwargs):
 
 def _keep_attention_contexts():
     return create_selective_checkpoint_contexts(_save_attention_outputs)
+
+
+@functools.cache
+def _product_ops() -> frozenset:
+    aten = torch.ops.aten
+    return frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default})  # linear and einsum lower to these
+
+
+def _save_products_and_attention(weight_storages: frozenset, ctx, op, *args, **kwargs):
+    if op in _attention_ops():
+        return CheckpointPolicy.MUST_SAVE
+    if op in _product_ops() and any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in weight_storages
+                                    for a in args):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_product_weights(block: nn.Module) -> frozenset:
+    """Storages of the block's weights whose products are kept: all but the SwiGLU's w2 (early stop ends
+    the recompute before it runs, so its output is never needed)."""
+    ffn = getattr(block, "ffn", None)
+    skip = {id(p) for p in ffn.w2.parameters()} if ffn is not None and hasattr(ffn, "w2") else set()
+    return frozenset(p.untyped_storage().data_ptr() for p in block.parameters() if id(p) not in skip)
+
+
+def _selective_forward(own_forward):
+    def forward(self, x):
+        policy = functools.partial(_save_products_and_attention, _kept_product_weights(self))
+        return _checkpointed(own_forward, self, x,
+                             context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    return forward
 
 
 def _nested(blocks, x):
@@ -159,8 +220,12 @@ def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
             part.forward = lambda x, own=part.forward: _checkpointed(own, x)
         return model
     if name == "partial":
-        for block in blocks[:min(parse_policy(policy)[1], len(blocks))]:
+        m = min(parse_policy(policy)[1], len(blocks))
+        for block in blocks[:m]:
             block.forward = types.MethodType(_checkpointed_forward(type(block).forward, keep), block)
+        if selective_rest(policy):
+            for block in blocks[m:]:
+                block.forward = types.MethodType(_selective_forward(type(block).forward), block)
         return model
     if name == "nested":
         groups = [blocks]

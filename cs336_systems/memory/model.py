@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.config import ModelConfig
-from cs336_systems.memory.checkpointing import group_size, keeps_attention, parse_policy
+from cs336_systems.memory.checkpointing import group_size, keeps_attention, parse_policy, selective_rest
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -100,6 +100,15 @@ def attention_output_bytes(cfg: ModelConfig, batch: int, seq: int, attention: st
     if attention != "flash":
         return 0
     return batch * seq * (cfg.d_model * _dtype_bytes(dtype) + cfg.num_heads * FP32)
+
+
+def selective_block_bytes(cfg: ModelConfig, batch: int, seq: int, attention: str = "flash",
+                          dtype: str = "fp32") -> int:
+    """What a block under selective checkpointing (`selective`, `...+selective`) keeps beyond its input:
+    the outputs of its weight products but w2 (q, k, v, output projection: 4d; w1, w3: 2f) and the flash
+    attention's O and L."""
+    products = batch * seq * (4 * cfg.d_model + 2 * cfg.d_ff) * _dtype_bytes(dtype)
+    return products + attention_output_bytes(cfg, batch, seq, attention, dtype)
 
 
 def ffn_activation_bytes(cfg: ModelConfig, batch: int, seq: int, dtype: str = "fp32", fused: bool = False) -> int:
@@ -174,23 +183,28 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
         return (math.ceil(math.log2(max(n, 1))) + 1) * boundary + block + head
     if name == "partial":
         m = min(arg, n)
+        if selective_rest(policy):
+            rest = boundary + selective_block_bytes(cfg, batch, seq, attention, dtype)
+            return m * (boundary + kept) + (n - m) * rest + block - (kept if m else rest) + head
         return m * (boundary + kept) + (n - m) * block + (block - kept if m else 0) + head
     k = group_size(policy, n)
     return math.ceil(n / k) * boundary + (n - k) * kept + k * block + head
 
 
-def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, kept: int = 0
+def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, kept: int = 0, selective: int = 0
             ) -> list[tuple[int, int, int]] | None:
     """(blocks, bytes kept after forward, bytes live during its backward) per group in forward order,
     for the policies the walk covers; None for nested and attn (the sum of parts estimates them).
     `kept`: what the policy keeps per checkpointed block beyond its input (`kept_attention_bytes`; its
-    recompute reuses it, so a group's live bytes are unchanged)."""
+    recompute reuses it, so a group's live bytes are unchanged); `selective`: the same for the blocks
+    under selective checkpointing (`selective_block_bytes`)."""
     name, arg = parse_policy(policy)
     if name == "none":
         return [(1, block, block)] * n
     if name == "partial":
         m = min(arg, n)
-        return [(1, boundary + kept, block)] * m + [(1, block, block)] * (n - m)
+        rest = (1, boundary + selective, block) if selective_rest(policy) else (1, block, block)
+        return [(1, boundary + kept, block)] * m + [rest] * (n - m)
     if name == "ffn":  # the SwiGLU's activations are recomputed inside each block's backward
         return [(1, block - ffn, block)] * n
     k = group_size(policy, n)
@@ -246,7 +260,8 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
     groups = _groups(policy, cfg.num_layers, block, boundary_bytes(cfg, batch, seq, dtype),
                      ffn_activation_bytes(cfg, batch, seq, dtype, fused),
-                     kept_attention_bytes(cfg, batch, seq, policy, attention, dtype))
+                     kept_attention_bytes(cfg, batch, seq, policy, attention, dtype),
+                     selective_block_bytes(cfg, batch, seq, attention, dtype))
     if groups is None:
         peak = params + states + grads + activations + logits
     else:

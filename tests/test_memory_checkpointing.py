@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.config import ModelConfig
@@ -198,27 +199,17 @@ def test_selective_parsing():
         parse_policy("partial:3+selective+keep-attn")
 
 
-class _ProductCounter:
+class _ProductCounter(TorchDispatchMode):
     """Counts matmul ops (mm, bmm, addmm) at the dispatcher while active."""
 
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
+    def __init__(self):
+        super().__init__()
         aten = torch.ops.aten
-        products = {aten.mm.default, aten.bmm.default, aten.addmm.default}
-        counter = self
+        self.products, self.count = {aten.mm.default, aten.bmm.default, aten.addmm.default}, 0
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                counter.count += func in products
-                return func(*args, **(kwargs or {}))
-
-        self.count, self.mode = 0, Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.products
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("policy", ["selective", "partial:1+keep-attn+selective"])

@@ -134,8 +134,9 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> floa
     return n * block  # every-block, every-k:K, sqrt: one extra forward
 
 
-# Pointwise recompute priced against products: the H200 runs bf16 matmuls at about 700 TFLOP/s and copies at
-# about 3.5 TB/s (results/leaderboard.jsonl matmul_peak; device notes), so one byte moved costs about 200 FLOPs.
+# Pointwise recompute priced against products: on the H200 bf16 matmuls run at about 730-790 TFLOP/s and device
+# copies at about 4 TB/s (../shared/BASELINES.md), so one byte moved costs about 200 FLOPs. The 8B step of
+# session 4 suggests the selective blocks' recompute costs several times this (notes/leaderboard.md).
 POINTWISE_FLOPS_PER_BYTE = 200.0
 
 

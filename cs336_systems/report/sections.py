@@ -612,7 +612,8 @@ def communication_accounting(doc: Document, r: Results) -> None:
 IMPLEMENTATION_PROBLEMS = (
     ("flash_forward", "Tiled PyTorch FlashAttention-2 forward (`kernels/flash_attention/reference.py`) and the Triton "
      "forward (`forward.py`: grid of query tiles x batch-heads, one loop over key tiles, fp32 accumulators, causal "
-     "split into an unmasked and a diagonal loop, exp2 with the scale folded in).",
+     "split into an unmasked and a diagonal loop, exp2 with the scale folded in; tiles through tensor "
+     "descriptors on Hopper).",
      "tests/test_kernels_flash_attention.py, tests/test_adapters_attention.py"),
     ("flash_backward", "Backward by recomputation with D = rowsum(O * dO): the torch.compile'd PyTorch version "
      "(impl='compile') and the two-pass Triton backward (dK/dV over query tiles, dQ over key tiles, no atomics).",

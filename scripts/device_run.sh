@@ -2,7 +2,8 @@
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, model,
-# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard, leaderboard-rope;
+# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
+# leaderboard-profile, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
@@ -108,6 +109,12 @@ run_stage() {
       # LEADERBOARD_ARGS: extra options for the 8B run (e.g. --attention triton-fused-bwd --fused-rope).
       python3 -m cs336_systems.bench leaderboard --warmup-ms 2000 --rep-ms 30000 ${LEADERBOARD_ARGS:-} \
         --results-dir "$R" 2>&1 | tail -12
+      ;;
+    leaderboard-profile)
+      # Where the 8B step's time goes: each provider timed briefly, then one step under torch.profiler,
+      # kernel time by phase and kind of work (rows: profile_category_time, profile_kernel_time).
+      python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 4000 --profile ${LEADERBOARD_ARGS:-} \
+        --results-dir "$R" 2>&1 | tail -60
       ;;
     leaderboard-rope)
       # Our Triton RoPE on top (opt-in until this run): ours with and without it, back to back.

@@ -151,3 +151,52 @@ def test_lockstep_timing_agrees_on_step_counts(tmp_path):
     counts = [(tmp_path / f"rank{r}").read_text() for r in range(2)]
     assert counts[0] == counts[1]
     assert int(counts[0].split()[1]) >= 3
+
+
+def test_profile_reports_kernel_time_by_phase_and_kind(tmp_path, capsys):
+    assert main([*TINY, "--provider", "ours", "--profile", "--results-dir", str(tmp_path)]) == 0
+    rows = [r for r in load_rows(tmp_path / "leaderboard.jsonl") if r["metric"] == "profile_category_time"]
+    by_range = {(r["config"]["range"], r["config"]["category"]): r["median"] for r in rows}
+    # The products of the step run in forward and again (their gradients) in backward.
+    assert by_range[("forward", "matmul")] > 0 and by_range[("backward", "matmul")] > 0
+    assert all(r["median"] >= 0 and r["config"]["calls_per_step"] > 0 for r in rows)
+    assert any(r["metric"] == "profile_kernel_time" for r in load_rows(tmp_path / "leaderboard.jsonl"))
+    assert "kernel time per step by phase and kind" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, category", [
+    ("_dkdv_kernel", "attention backward dK/dV"),
+    ("flash_dq_kernel", "attention backward dQ"),
+    ("flash_forward_kernel", "attention forward"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention (vendor)"),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopB_NNT", "matmul"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+    ("aten::addmm", "matmul"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+     "elementwise (torch)"),
+    ("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", "copy / index (torch)"),
+    ("void at::native::reduce_kernel<512, 1, ReduceOp<float, MaxOps<float>>>", "reduction (torch)"),
+    ("silu_mul_backward_kernel", "swiglu gate (ours)"),
+    ("adamw_multi_tensor_kernel", "optimizer"),
+    ("something_new", "other"),
+])
+def test_kernel_categories(name, category):
+    from cs336_systems.profiling.trace import kernel_category
+
+    assert kernel_category(name) == category
+
+
+def test_category_summary_adds_up():
+    import pandas as pd
+
+    from cs336_systems.profiling.trace import category_summary
+
+    kernels = pd.DataFrame({"range": ["forward", "forward", "backward"],
+                            "kernel": ["nvjet_a", "gemm_b", "_dkdv_kernel"],
+                            "calls": [4, 2, 3], "calls_per_step": [2.0, 1.0, 1.5], "total_ms": [8.0, 2.0, 6.0],
+                            "share": [0.5, 0.125, 0.375]})
+    table = category_summary(kernels, steps=2).set_index(["range", "category"])
+    assert table.loc[("forward", "matmul"), "ms_per_step"] == 5.0
+    assert table.loc[("forward", "matmul"), "calls_per_step"] == 3.0
+    assert table.loc[("backward", "attention backward dK/dV"), "share"] == 0.375
+    assert table["share"].sum() == 1.0

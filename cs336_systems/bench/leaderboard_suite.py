@@ -32,6 +32,7 @@ rank ends the run (the others would wait in a collective), with the error named.
     cs336-bench leaderboard --preset tiny --device cpu --verify          # CI-sized
     cs336-bench leaderboard --preset xl --context 8192                   # without an H200
     cs336-bench leaderboard                                              # the 8B model at 32k
+    cs336-bench leaderboard --provider ours --rep-ms 3000 --profile      # where the step's time goes
     torchrun --nproc-per-node 2 -m cs336_systems.bench leaderboard --batch 1   # 2 GPUs, 2 sequences
 """
 
@@ -108,6 +109,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup-ms", type=float, default=2000.0)
     parser.add_argument("--rep-ms", type=float, default=6000.0)
     parser.add_argument("--verify", action="store_true", help="check loss and gradients against the plain step")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, one more step of each provider under torch.profiler: kernel time per "
+                             "phase and kind of work (matmul, attention, pointwise, ...) as rows and a table")
     add_launch_arguments(parser, default_world_size=1)
     parser.add_argument("--ddp", choices=list(DDP_VARIANTS), default="overlap",
                         help="our DDP variant with several ranks (default overlap)")
@@ -288,7 +292,37 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
     for name, ms in phases.items():
         store.add(provider=provider, config=config | {"phase": name}, metric="phase_time", unit="ms", value=ms)
         summary[f"{name}_ms"] = ms
+    if args.profile:
+        _profile(store, provider, config, device, build_step)
     return summary
+
+
+PHASES = ("forward", "loss", "backward", "sync", "optimizer")
+
+
+def _profile(store, provider, config, device, build_step, steps: int = 1) -> None:
+    """Kernel time of `steps` more steps by phase and kind of work: rows (`profile_category_time`, and
+    `profile_kernel_time` for the 40 costliest kernels) and a printed table. No trace file: at 8B a
+    step launches thousands of kernels and the trace would run to hundreds of MB."""
+    from cs336_systems.profiling.trace import category_summary, profile_steps
+
+    ranges = PhaseRanges(device, record=True)
+    step, _ = build_step(ranges.phase)
+    kernels = profile_steps(step, steps=steps, device=device, range_names=PHASES)
+    categories = category_summary(kernels, steps=steps)
+    for row in categories.itertuples():
+        store.add(provider=provider, config=config | {"range": row.range, "category": row.category,
+                                                      "calls_per_step": row.calls_per_step},
+                  metric="profile_category_time", unit="ms", value=row.ms_per_step)
+    for row in kernels.head(40).itertuples():
+        store.add(provider=provider, config=config | {"range": row.range, "kernel": row.kernel[:120],
+                                                      "calls_per_step": row.calls_per_step},
+                  metric="profile_kernel_time", unit="ms", value=row.total_ms / steps)
+    table = categories.pivot_table(index="category", columns="range", values="ms_per_step", aggfunc="sum",
+                                   fill_value=0.0)
+    table["total"] = table.sum(axis=1)
+    print(f"\nkernel time per step by phase and kind ({provider}, {config['checkpoint']}), ms:")
+    print(format_table(table.sort_values("total", ascending=False).round(1).reset_index()))
 
 
 def _bench_in_lockstep(step, device, warmup_ms: float, rep_ms: float):

@@ -4,10 +4,14 @@
 and `kernel_summary` turns the events into a table: top device kernels (CPU ops on a
 CPU-only run) by total time, calls per step, share of time, and the innermost named range
 (`forward`, `backward`, `optimizer`, `attention/...`) each was launched from.
+`category_summary` folds that table into kinds of work (matmuls, our attention passes, our
+fused pointwise kernels, PyTorch's elementwise/reduction/copy kernels), which is how a step's
+time is read: products against everything around them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,7 +59,9 @@ def kernel_summary(events, *, steps: int, on_device: bool, range_names: tuple[st
         if on_device:
             for kernel in getattr(event, "kernels", []):
                 rows.append((_enclosing_range(event, names, intervals), kernel.name, kernel.duration / 1e3))
-        elif not event.cpu_children and event.name not in names:  # leaf CPU ops
+        elif event.name not in names and event.self_cpu_time_total > 0:
+            # CPU ops by self time (their children's time excluded), so nested ops are not counted twice
+            # and an addmm keeps its own time rather than handing it to the copies it launches.
             rows.append((_enclosing_range(event, names, intervals), event.name, event.self_cpu_time_total / 1e3))
     columns = ["range", "kernel", "calls", "calls_per_step", "total_ms", "share"]
     if not rows:
@@ -65,3 +71,43 @@ def kernel_summary(events, *, steps: int, on_device: bool, range_names: tuple[st
     table["calls_per_step"] = table["calls"] / steps
     table["share"] = table["total_ms"] / table["total_ms"].sum()
     return table.sort_values("total_ms", ascending=False)[columns].reset_index(drop=True)
+
+
+# First match wins: our kernels by their jit names, then vendor matmuls, then PyTorch's generic kernels.
+KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
+    (r"flash_forward", "attention forward"),
+    (r"dkdv", "attention backward dK/dV"),
+    (r"flash_dq", "attention backward dQ"),
+    (r"flash_preprocess", "attention backward D"),
+    (r"flash|fmha|cudnn|sdpa|attention", "attention (vendor)"),
+    (r"rmsnorm", "rmsnorm (ours)"),
+    (r"silu_mul", "swiglu gate (ours)"),
+    (r"rope", "rope (ours)"),
+    (r"adamw|multi_tensor_apply", "optimizer"),
+    (r"nvjet|gemm|xmma|cutlass|cublas|matmul|^aten::(mm|addmm|bmm|baddbmm)$", "matmul"),  # aten: CPU runs
+    (r"reduce|softmax|logsumexp|norm_kernel", "reduction (torch)"),
+    (r"copy|CatArray|memcpy|memset|fill|index|gather|scatter|embedding", "copy / index (torch)"),
+    (r"elementwise|vectorized|unrolled", "elementwise (torch)"),
+    (r"^triton_", "inductor (compiled)"),
+)
+
+
+def kernel_category(name: str) -> str:
+    """The kind of work a device kernel does, from its name (`KERNEL_CATEGORIES`); `other` if none match."""
+    for pattern, category in KERNEL_CATEGORIES:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return category
+    return "other"
+
+
+def category_summary(summary: pd.DataFrame, *, steps: int) -> pd.DataFrame:
+    """`kernel_summary` rows grouped into (range, category): calls per step, ms per step, share."""
+    columns = ["range", "category", "calls_per_step", "ms_per_step", "share"]
+    if summary.empty:
+        return pd.DataFrame(columns=columns)
+    frame = summary.assign(category=summary["kernel"].map(kernel_category))
+    table = frame.groupby(["range", "category"]).agg(calls=("calls", "sum"), total_ms=("total_ms", "sum"),
+                                                     share=("share", "sum")).reset_index()
+    table["calls_per_step"] = table["calls"] / steps
+    table["ms_per_step"] = table["total_ms"] / steps
+    return table.sort_values("ms_per_step", ascending=False)[columns].reset_index(drop=True)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full, attention-tune, model,
+# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# attention-handout), attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
 # leaderboard-profile, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
@@ -47,10 +48,16 @@ run_stage() {
       python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,forward-tma,dkdv,dkdv-tma,dq,dq-tma}" \
         --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
-    attention-full)
+    attention-full)  # both handout sweeps, as the two stages below
+      run_stage attention-flash
+      run_stage attention-handout
+      ;;
+    attention-flash)
       python3 -m cs336_systems.bench attention --sweep flash --rep-ms 40 --no-progress --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
-      python3 -m cs336_systems.bench attention --sweep handout --no-progress --results-dir "$R" 2>&1 | tail -20
+      ;;
+    attention-handout)
+      python3 -m cs336_systems.bench attention --sweep handout --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;
     tests-fused)
       python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels_rmsnorm_swiglu.py tests/test_memory_model.py \

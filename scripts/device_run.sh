@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
 # leaderboard-profile, leaderboard-rope;
@@ -66,6 +66,14 @@ run_stage() {
     tests-attention-fused)
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
         tests/test_attention_registry.py -k "fused or registry" 2>&1 | tee "$OUT/tests_attention_fused.log" | tail -8
+      ;;
+    tests-layout)
+      # The copy-free head views (RoPE, attention outputs and gradients in their inputs' layout) and the
+      # fused cross-entropy's softmax-gradient kernel.
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_bench_leaderboard.py \
+        -k "layout or copies or strided or rope or cross or fp32_both or bf16_error or profile" 2>&1 \
+        | tee "$OUT/tests_layout.log" | tail -8
       ;;
     tests-fp32)
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \

@@ -7,6 +7,8 @@ shapes in fp32; on a GPU the full matrix runs (dtypes, head dims, lengths, layou
 """
 
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -132,6 +134,76 @@ def test_triton_reads_strided_views_in_place():
     out = flash_attention(q, k, v, True)
     torch.testing.assert_close(out, naive_attention(q.contiguous(), k.contiguous(), v.contiguous(), True),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backward", ["triton", "fused"])
+def test_triton_outputs_and_gradients_keep_the_inputs_layout(backward):
+    """O, dQ, dK, dV come back in the layout of the model's head views of (batch, seq, heads x d), so merging
+    the heads after attention and the gradients' way back to the projections are views, not copies."""
+    device = kernel_device()
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    torch.manual_seed(1)
+    batch, seq, heads, d = 2, 37, 3, 16
+    projections = [torch.randn(batch, seq, heads * d, device=device, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.view(batch, seq, heads, d).transpose(1, 2) for t in projections)
+    out = flash_attention(q, k, v, True, backward=backward)
+    assert out.stride() == q.stride()
+    merged = out.transpose(1, 2).reshape(batch, seq, heads * d)
+    assert merged.data_ptr() == out.data_ptr() and merged.is_contiguous()  # a view
+    dy = torch.randn_like(merged)
+    merged.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in projections]
+    ref = naive_attention(*(t.view(batch, seq, heads, d).transpose(1, 2) for t in leaves), True)
+    ref.transpose(1, 2).reshape(batch, seq, heads * d).backward(dy.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for ours, exact in zip(projections, leaves):
+        torch.testing.assert_close(ours.grad.double(), exact.grad, rtol=1e-4, atol=1e-5)
+
+
+def _in_interpreter() -> bool:
+    """Whether Triton's CPU interpreter is on the stack (it copies every kernel argument back itself)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("triton", "runtime", "interpreter.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_attention_block_copies_nothing_with_our_kernels():
+    """The model's attention block with our attention and RoPE: no activation is copied in forward or
+    backward (the head split and merge are views end to end). Weight gradients may be (AccumulateGrad
+    lays them out like their parameters)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from cs336_basics.model import CausalMultiHeadSelfAttention, RotaryEmbedding
+    from cs336_systems.attention import use_attention
+    from cs336_systems.fused_model import _fused_rope_forward
+
+    device = kernel_device()
+    torch.manual_seed(2)
+    rope = RotaryEmbedding(64, 16).to(device)
+    rope.forward = _fused_rope_forward.__get__(rope)
+    block = CausalMultiHeadSelfAttention(48, 3, rope).to(device)
+    seq = 40
+    x = torch.randn(2, seq, 48, device=device, requires_grad=True)
+
+    class CopyCounter(TorchDispatchMode):
+        copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            copy = func.__name__.split(".")[0] in ("copy_", "clone", "_to_copy")
+            if copy and seq in args[0].shape and not _in_interpreter():
+                self.copies.append((func.__name__, tuple(args[0].shape), args[0].stride()))
+            return func(*args, **(kwargs or {}))
+
+    with use_attention("triton"):
+        out = block(x)
+        with CopyCounter() as counter:
+            out = block(x)
+            out.sum().backward()
+    assert counter.copies == []
 
 
 @pytest.mark.parametrize("bad,match", [

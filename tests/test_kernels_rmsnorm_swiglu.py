@@ -128,7 +128,7 @@ def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,positions", [((2, 3, 17, 16), "arange"), ((1, 5, 8), "offset"),
-                                             ((4, 33, 64), "random")])
+                                             ((4, 33, 64), "random"), ((2, 3, 9, 48), "per-head")])
 def test_rope_matches_reference(shape, positions, dtype):
     from cs336_basics.model import RotaryEmbedding
     from cs336_systems.kernels.rope import rope, rope_reference
@@ -138,7 +138,8 @@ def test_rope_matches_reference(shape, positions, dtype):
     seq, dim = shape[-2], shape[-1]
     cache = RotaryEmbedding(64, dim)._freq_cis_cache.to(device)
     pos = {"arange": torch.arange(seq), "offset": torch.arange(seq) + 50,
-           "random": torch.randint(0, 64, (shape[0], seq))}[positions].to(device)
+           "random": torch.randint(0, 64, (shape[0], seq)),
+           "per-head": torch.randint(0, 64, shape[:-1])}[positions].to(device)  # no head shares positions
     x, dy = torch.randn(shape, device=device), torch.randn(shape, device=device)
     ref, (ref_dx,) = _grads(lambda a: rope_reference(a, pos, cache.double()), x.double(), grad_out=dy.double())
     ours, (dx,) = _grads(lambda a: rope(a, pos, cache.to(dtype)), x.to(dtype), grad_out=dy)
@@ -146,6 +147,29 @@ def test_rope_matches_reference(shape, positions, dtype):
     assert ours.dtype == dtype and ours.shape == x.shape
     assert_within_budget("y", ours, ref, low)
     assert_within_budget("dx", dx, ref_dx, low_dx)
+
+
+def test_rope_reads_the_models_head_view_in_place_and_keeps_its_layout():
+    """The model rotates a (batch, heads, seq, d) view of the (batch, seq, heads x d) projection: no copy
+    in, the output in the same layout (so the attention and the gradient's way back are copy-free)."""
+    from cs336_basics.model import RotaryEmbedding
+    from cs336_systems.kernels.rope import rope, rope_reference
+
+    device = kernel_device()
+    torch.manual_seed(4)
+    batch, seq, heads, dim = 2, 19, 3, 32
+    cache = RotaryEmbedding(64, dim)._freq_cis_cache.to(device)
+    projection = torch.randn(batch, seq, heads * dim, device=device, requires_grad=True)
+    view = projection.view(batch, seq, heads, dim).transpose(1, 2)  # as einops' rearrange makes it
+    pos = torch.arange(seq, device=device)[None, :]
+    out = rope(view, pos, cache)
+    assert out.stride() == view.stride()
+    torch.testing.assert_close(out, rope_reference(view, pos, cache), rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    leaf = projection.detach().requires_grad_()
+    rope_reference(leaf.view(batch, seq, heads, dim).transpose(1, 2), pos, cache).backward(dy)
+    torch.testing.assert_close(projection.grad, leaf.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_bad_inputs():

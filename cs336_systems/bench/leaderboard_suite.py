@@ -306,7 +306,7 @@ def _profile(store, provider, config, device, build_step, steps: int = 1) -> Non
     step launches thousands of kernels and the trace would run to hundreds of MB."""
     from cs336_systems.profiling.trace import category_summary, profile_steps
 
-    ranges = PhaseRanges(device, record=True)
+    ranges = PhaseRanges(device, record=True, sync=True)
     step, _ = build_step(ranges.phase)
     kernels = profile_steps(step, steps=steps, device=device, range_names=PHASES)
     categories = category_summary(kernels, steps=steps)

@@ -310,7 +310,7 @@ def _artifact_stem(args, case: ModelCase, mode: str) -> Path:
 def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
     from cs336_systems.profiling.trace import profile_steps
 
-    ranges = PhaseRanges(args.device, record=True, nvtx=args.nvtx)
+    ranges = PhaseRanges(args.device, record=True, nvtx=args.nvtx, sync=True)
     step = harness.step_fn(mode, ranges.phase)
     trace_path = _artifact_stem(args, harness.case, mode).with_suffix(".pt.trace.json")
     range_names = PHASES + ("attention/scores", "attention/softmax", "attention/matmul")

@@ -8,8 +8,18 @@ by one matmul in the input dtype (bf16 matmuls accumulate in fp32 on tensor core
 upcast to an fp32 GEMM), their log-sum-exp and the target logit give the loss, and, since the
 loss's gradient w.r.t. those logits is known right there ((softmax - onehot) / n), the chunk's
 dH rows and its dW contribution are computed in the same pass and the logits freed. Backward
-only scales the stored dH, dW by the incoming gradient. Peak extra memory: one chunk's logits
-(fp32) plus dH and an fp32 dW accumulator, instead of the full logits and their gradient.
+only scales the stored dH, dW by the incoming gradient.
+
+Between the GEMMs, on CUDA (and under TRITON_INTERPRET=1) one Triton kernel per chunk
+(`softmax_xent_grad_kernel`, one program per token) reads the chunk's logits as the GEMM wrote them
+(bf16 for a bf16 model: the same rounding as the plain model's logits), forms the row's log-sum-exp
+in fp32 with an online max, writes the token's loss, and overwrites the logits in place with their
+gradient: two reads and one write of the chunk, where the eager chain (fp32 copy, logsumexp, gather,
+subtract, exp, scatter, scale, cast back) moved about six times as many bytes. dW accumulates in
+fp32 inside the GEMM (`addmm(..., out_dtype=float32)` with beta 1, where torch has it) rather than
+through a 16-bit product, an fp32 copy of it and an add. Peak extra memory: one chunk's logits in
+the input dtype, dH and the fp32 dW accumulator. Elsewhere (CPU without the interpreter, fp64) the
+same maths runs eagerly in fp32 (fp64 stays fp64).
 
 `ignore_index` targets contribute neither loss nor gradient and are left out of the mean.
 `reduction` is "mean" (over non-ignored tokens) or "sum".
@@ -17,9 +27,15 @@ only scales the stored dH, dW by the incoming gradient. Peak extra memory: one c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from cs336_systems.kernels._triton_utils import interpreting
+
 REDUCTIONS = ("mean", "sum")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_V = 4096  # vocab entries per step of a row's loops
 
 
 def lm_head_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -45,6 +61,91 @@ def _validate(hidden, weight, targets, reduction, chunk_tokens):
         raise ValueError(f"lm_head_cross_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
 
 
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def softmax_xent_grad_kernel(logits_ptr, targets_ptr, loss_ptr, n_vocab, stride_row, ignore_index, scale,
+                                 BLOCK_V: tl.constexpr):
+        """One token: loss = lse - logit[target] (0 if ignored); logits <- (softmax - onehot) * scale."""
+        row = tl.program_id(0)
+        logits = logits_ptr + row.to(tl.int64) * stride_row
+        # Online log-sum-exp, one running (max, sum) per lane, combined once at the end.
+        run_max = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+        run_sum = tl.zeros((BLOCK_V,), tl.float32)
+        for start in range(0, n_vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(logits + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(run_max, x)
+            # Lanes still at -inf (past the vocab) rescale by 0 rather than exp(-inf - -inf) = nan.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.exp(x - shift)
+            run_max = new_max
+        row_max = tl.max(run_max, axis=0)
+        lse = row_max + tl.log(tl.sum(run_sum * tl.exp(run_max - row_max), axis=0))
+        target = tl.load(targets_ptr + row)
+        valid = target != ignore_index
+        safe_target = tl.where(valid, target, 0)
+        target_logit = tl.load(logits + safe_target).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
+        grad_scale = tl.where(valid, scale, 0.0)
+        for start in range(0, n_vocab, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(logits + cols, mask=cols < n_vocab, other=0.0).to(tl.float32)
+            grad = (tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)) * grad_scale
+            tl.store(logits + cols, grad.to(logits_ptr.dtype.element_ty), mask=cols < n_vocab)
+
+    return softmax_xent_grad_kernel
+
+
+def _uses_kernel(hidden: torch.Tensor) -> bool:
+    return hidden.dtype in KERNEL_DTYPES and (hidden.is_cuda or (hidden.device.type == "cpu" and interpreting()))
+
+
+def _softmax_xent_grad_(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, scale: float) -> torch.Tensor:
+    """Per-token losses (fp32); `logits` (tokens, vocab), unit stride along vocab, becomes its gradient."""
+    losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+    if logits.shape[0]:
+        _kernel()[(logits.shape[0],)](logits, targets, losses, logits.shape[1], logits.stride(0), ignore_index,
+                                      scale, BLOCK_V=BLOCK_V, num_warps=8)
+    return losses
+
+
+def _softmax_xent_grad_eager(logits, targets, valid, scale, acc):
+    """The same as the kernel, eagerly in `acc` precision: (per-token losses, gradient in logits' dtype)."""
+    logits = logits.to(acc)
+    lse = torch.logsumexp(logits, dim=-1)
+    safe_t = torch.where(valid, targets, 0)
+    losses = torch.where(valid, lse - logits.gather(1, safe_t[:, None]).squeeze(1), 0.0)
+    probs = logits.sub_(lse[:, None]).exp_()  # d loss / d logits = (softmax - onehot) * scale; in place
+    probs[torch.arange(probs.shape[0], device=probs.device), safe_t] -= 1.0
+    probs.mul_((valid.to(probs.dtype) * scale)[:, None])
+    return losses, probs
+
+
+@functools.cache
+def _addmm_out_dtype_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch has addmm(..., out_dtype=float32) for `dtype` products on this device (cuBLAS, 2.8+)."""
+    try:
+        a = torch.ones(2, 2, device=device_type, dtype=dtype)
+        torch.addmm(torch.zeros(2, 2, device=device_type), a, a, out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32 or fp64) += a @ b, with a and b in their own dtype (tensor cores, fp32 accumulation)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.is_cuda and _addmm_out_dtype_works(a.device.type, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # accumulated in the GEMM's epilogue
+    else:
+        acc += (a @ b).to(acc.dtype)
+
+
 class LMHeadCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int):
@@ -57,25 +158,22 @@ class LMHeadCrossEntropyFunction(torch.autograd.Function):
         loss = torch.zeros((), device=hidden.device, dtype=acc)
         grad_h = torch.empty_like(h2d) if hidden.requires_grad else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if weight.requires_grad else None
+        kernel = _uses_kernel(hidden)
         for start in range(0, h2d.shape[0], chunk_tokens):
             h = h2d[start:start + chunk_tokens]  # (c, d)
             t = t1d[start:start + chunk_tokens]
-            ok = valid[start:start + chunk_tokens]
-            logits = (h @ weight.T).to(acc)  # (c, vocab): the only vocab-wide tensor, one chunk at a time
-            lse = torch.logsumexp(logits, dim=-1)
-            safe_t = torch.where(ok, t, 0)
-            target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
-            loss += torch.where(ok, lse - target_logit, 0.0).sum()
-            # d loss / d logits = (softmax - onehot) * scale, zero on ignored rows; reuse the buffer.
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs[torch.arange(probs.shape[0], device=probs.device), safe_t] -= 1.0
-            probs.mul_((ok.to(probs.dtype) * scale)[:, None])
-            grad_logits = probs.to(h.dtype)
+            logits = h @ weight.T  # (c, vocab) in the input dtype: the only vocab-wide tensor, one chunk at a time
+            if kernel:
+                losses = _softmax_xent_grad_(logits, t, ignore_index, scale)
+                grad_logits = logits  # overwritten in place
+            else:
+                losses, probs = _softmax_xent_grad_eager(logits, t, valid[start:start + chunk_tokens], scale, acc)
+                grad_logits = probs.to(h.dtype)
+            loss += losses.sum()
             if grad_h is not None:
-                grad_h[start:start + chunk_tokens] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
             if grad_w is not None:
-                # In the input dtype (tensor cores, fp32 accumulation), added into the fp32 accumulator.
-                grad_w += (grad_logits.T @ h).to(acc)
+                _accumulate_product_(grad_w, grad_logits.T, h)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype

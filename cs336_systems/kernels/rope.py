@@ -8,8 +8,13 @@ an add, a subtract, a stack and a cast) on each of Q and K; this is one read and
 Backward is the inverse rotation (by -t) of the incoming gradient, the same kernel with the sign
 of sin flipped; only the positions and the cos/sin cache are kept for it.
 
-Layout: rows = every leading index of x (batch, heads, seq), one position id per row; a program
-handles BLOCK_R rows x all dim/2 pairs, fp32 in registers, output in x's dtype.
+Layout: x is read as (batch, heads, seq, dim) with any strides but a unit one along dim, so the
+model's head-split view of the projection output ((batch, seq, heads, dim) in memory) is rotated in
+place of a copy, and the output keeps x's layout (`torch.empty_like`): the attention after it reads
+the same strided view, and the gradient flows back through the views without copies. A program
+takes BLOCK_S positions of one batch row and walks the heads; when every head shares the
+positions (the model's case: positions broadcast over heads) cos and sin are loaded once for all
+heads. Rows are loaded whole (one vectorised load) and split into their pairs in registers.
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
 """
 
@@ -21,7 +26,7 @@ import torch
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
 
-BLOCK_R = 16
+TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
 
 
 def rope_reference(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -37,34 +42,63 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, n_rows, half, context, SIGN: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.arange(0, BLOCK_H)
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < half)
-        pos = tl.load(pos_ptr + rows, mask=rows < n_rows, other=0)
-        angle = pos[:, None] * half + cols[None, :]
-        cos = tl.load(cache_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-        sin = SIGN * tl.load(cache_ptr + context * half + angle, mask=mask, other=0.0).to(tl.float32)
-        pair = rows[:, None] * (2 * half) + 2 * cols[None, :]
-        x1 = tl.load(x_ptr + pair, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + pair + 1, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pair, (cos * x1 - sin * x2).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptr + pair + 1, (sin * x1 + cos * x2).to(out_ptr.dtype.element_ty), mask=mask)
+    def rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, n_heads, seq, dim, context,
+                    stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_pb, stride_ph, stride_ps,
+                    SIGN: tl.constexpr, HEADS_SHARE_POS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        b = tl.program_id(1).to(tl.int64)
+        s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        cols = tl.arange(0, BLOCK_D)
+        mask = (s[:, None] < seq) & (cols[None, :] < dim)
+        pairs = tl.arange(0, BLOCK_D // 2)
+        pair_mask = (s[:, None] < seq) & (pairs[None, :] < dim // 2)
+        x_rows = x_ptr + b * stride_xb + s[:, None].to(tl.int64) * stride_xs + cols[None, :]
+        out_rows = out_ptr + b * stride_ob + s[:, None].to(tl.int64) * stride_os + cols[None, :]
+        pos_rows = pos_ptr + b * stride_pb + s * stride_ps
+        if HEADS_SHARE_POS:
+            angle = tl.load(pos_rows, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
+            cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
+            sin = SIGN * tl.load(cache_ptr + context * (dim // 2) + angle, mask=pair_mask, other=0.0).to(tl.float32)
+        for h in range(n_heads):
+            if not HEADS_SHARE_POS:
+                angle = tl.load(pos_rows + h * stride_ph, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
+                cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
+                sin = SIGN * tl.load(cache_ptr + context * (dim // 2) + angle, mask=pair_mask,
+                                     other=0.0).to(tl.float32)
+            x = tl.load(x_rows + h * stride_xh, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
+            x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))  # the even and odd elements
+            y = tl.reshape(tl.join(cos * x1 - sin * x2, sin * x1 + cos * x2), (BLOCK_S, BLOCK_D))
+            tl.store(out_rows + h * stride_oh, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     return rope_kernel
 
 
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, dim) view of (..., seq, dim): a view for 2-4 dims, a reshape beyond."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[:, None]
+    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+
+
 def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
+    """Rotate x by the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads)."""
     import triton
 
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    half = x.shape[-1] // 2
-    n_rows = pos.numel()
-    if n_rows:
-        _kernel()[(triton.cdiv(n_rows, BLOCK_R),)](x, pos, cache, out, n_rows, half, cache.shape[1], SIGN=sign,
-                                                 BLOCK_R=BLOCK_R, BLOCK_H=triton.next_power_of_2(half))
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty_like(x)  # x's layout when x is dense (the model's strided head view), else contiguous
+    x4, out4 = _as_4d(x), _as_4d(out)
+    pos4 = _as_4d(pos[..., None])[..., 0]
+    batch, heads, seq, dim = x4.shape
+    if x4.numel():
+        block_d = max(2, triton.next_power_of_2(dim))
+        block_s = max(1, TILE_ELEMENTS // block_d)
+        _kernel()[(triton.cdiv(seq, block_s), batch)](
+            x4, pos4, cache, out4, heads, seq, dim, cache.shape[1], *x4.stride()[:3], *out4.stride()[:3],
+            *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=heads == 1 or pos4.stride(1) == 0, BLOCK_S=block_s,
+            BLOCK_D=block_d)
     return out
 
 
@@ -89,7 +123,8 @@ def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.T
     if pos_ids.dtype.is_floating_point:
         raise TypeError(f"rope: pos_ids must be integers, got {pos_ids.dtype}")
     check_kernel_device("rope", x, pos_ids, cache)
-    pos = torch.broadcast_to(pos_ids, x.shape[:-1]).reshape(-1).to(torch.int64)  # one position per row
+    # One position per (.., seq) row, as a broadcast view: no copy, and stride 0 over the heads.
+    pos = torch.broadcast_to(pos_ids.to(torch.int64), x.shape[:-1])
     if pos_ids.numel():
         # Checked on the device (no host sync that would stall eager launch pipelining); the eager path
         # would raise an index error instead of reading past the cache.

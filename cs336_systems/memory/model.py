@@ -238,8 +238,8 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     """Peak-memory prediction for one training step of a model whose parameters are in `dtype`, with an
     Adam-style optimizer holding `optimizer_states` tensors per parameter in `state_dtype` (default: `dtype`).
 
-    `loss="fused"` is our LM-head cross-entropy (one fp32 chunk of logits and a bf16 copy of its gradient,
-    plus the fp32 dW accumulator); `loss="plain"` materialises fp32 logits and their gradient.
+    `loss="fused"` is our LM-head cross-entropy on the GPU (one chunk of logits in `dtype`, overwritten by
+    its gradient, plus the fp32 dW accumulator); `loss="plain"` materialises fp32 logits and their gradient.
     Gradients are taken as freed before the step (zero_grad(set_to_none=True)) and filled in by backward.
     """
     if autocast:
@@ -251,7 +251,7 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     tokens = batch * seq
     if loss == "fused":
         chunk = min(chunk_tokens, tokens)
-        logits = chunk * cfg.vocab_size * (FP32 + e) + cfg.vocab_size * cfg.d_model * FP32
+        logits = chunk * cfg.vocab_size * e + cfg.vocab_size * cfg.d_model * FP32  # gradient written in place
     else:
         logits = 2 * tokens * cfg.vocab_size * FP32
     activations = activation_bytes(cfg, batch, seq, policy, attention, dtype, fused, loss)

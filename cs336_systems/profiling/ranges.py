@@ -26,12 +26,15 @@ class PhaseRanges:
     """Opens one range per phase: `with ranges.phase("forward"): ...`.
 
     nvtx: push NVTX ranges; record: torch.profiler.record_function; time: per-phase times
-    (CUDA events on GPU); memory: peak allocated/reserved bytes per phase (CUDA only).
+    (CUDA events on GPU); memory: peak allocated/reserved bytes per phase (CUDA only); sync:
+    synchronise the device at each range's edges (CUDA only), so a profile can place every kernel
+    in the range it belongs to by when it ran (`trace.kernel_summary`); for profiles, not timing.
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, nvtx: bool = False, record: bool = False,
-                 time: bool = False, memory: bool = False):
+                 time: bool = False, memory: bool = False, sync: bool = False):
         self.device = torch.device(device)
+        self.sync = sync and self.device.type == "cuda"
         self.nvtx = nvtx and self.device.type == "cuda"
         self.record, self.time = record, time
         self.memory = memory and self.device.type == "cuda"
@@ -41,7 +44,7 @@ class PhaseRanges:
 
     @property
     def active(self) -> bool:
-        return self.nvtx or self.record or self.time or self.memory
+        return self.nvtx or self.record or self.time or self.memory or self.sync
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -53,6 +56,9 @@ class PhaseRanges:
                 stack.enter_context(torch.cuda.nvtx.range(name))
             if self.record:
                 stack.enter_context(torch.profiler.record_function(name))
+            if self.sync:  # inside the range at both ends: its kernels start and finish within it
+                torch.cuda.synchronize(self.device)
+                stack.callback(torch.cuda.synchronize, self.device)
             if self.memory:
                 torch.cuda.reset_peak_memory_stats(self.device)
             start = self._mark()
@@ -97,7 +103,7 @@ def annotated_attention(ranges: PhaseRanges) -> Iterator[None]:
     """
     original = basics_model.scaled_dot_product_attention
     # Names only: nested timing or peak resets would corrupt the enclosing phase's numbers.
-    inner = PhaseRanges(ranges.device, nvtx=ranges.nvtx, record=ranges.record)
+    inner = PhaseRanges(ranges.device, nvtx=ranges.nvtx, record=ranges.record, sync=ranges.sync)
     if not inner.active:
         yield
         return

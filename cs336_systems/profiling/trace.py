@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -38,27 +39,40 @@ def profile_steps(step: Callable[[], object], *, steps: int, device: torch.devic
 
 
 def _enclosing_range(event, range_names: set[str], intervals: list[tuple[float, float, str]]) -> str:
-    """The innermost named range around `event`: its own call stack first, then (for ops the autograd
-    engine runs on another thread, as CUDA backward does) the shortest named range open at its start."""
+    """The innermost named range around a CPU op: its own call stack first, then (for ops the autograd
+    engine runs on another thread) the shortest named range open at its start."""
     parent = event
     while parent is not None:
         if parent.name in range_names and parent.name != "step":
             return parent.name
         parent = parent.cpu_parent
-    start = event.time_range.start
-    around = [(end - begin, name) for begin, end, name in intervals if begin <= start <= end]
+    return _range_at(event.time_range.start, intervals)
+
+
+def _range_at(time_us: float, intervals: list[tuple[float, float, str]]) -> str:
+    """The shortest named range (CPU interval) open at `time_us`; `(other)` if none."""
+    around = [(end - begin, name) for begin, end, name in intervals if begin <= time_us <= end]
     return min(around)[1] if around else "(other)"
 
 
 def kernel_summary(events, *, steps: int, on_device: bool, range_names: tuple[str, ...] = ()) -> pd.DataFrame:
-    """One row per (range, kernel): calls, calls/step, total ms, share of all kernel time."""
+    """One row per (range, kernel): calls, calls/step, total ms, share of all kernel time.
+
+    On a GPU every device activity (kernel, memcpy, memset) is counted once, from its own event, and
+    placed in the named range open when it *started on the device*. That is exact when the ranges
+    synchronise at their edges (`PhaseRanges(sync=True)`): the device has finished one range's work
+    before the next range launches, whichever thread launched it (backward runs on the autograd
+    engine's thread, which no CPU call stack ties to `backward`). Without synchronisation a kernel
+    that runs late lands in a later range. On CPU, ops are counted by self time."""
     names = set(range_names) | {"step"}
-    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.name in names]
+    cpu_ranges = [e for e in events if e.name in names and e.device_type == DeviceType.CPU]
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in cpu_ranges]
     rows = []
     for event in events:
         if on_device:
-            for kernel in getattr(event, "kernels", []):
-                rows.append((_enclosing_range(event, names, intervals), kernel.name, kernel.duration / 1e3))
+            if event.device_type == DeviceType.CUDA and not event.is_user_annotation and event.name not in names:
+                rows.append((_range_at(event.time_range.start, intervals), event.name,
+                             event.time_range.elapsed_us() / 1e3))
         elif event.name not in names and event.self_cpu_time_total > 0:
             # CPU ops by self time (their children's time excluded), so nested ops are not counted twice
             # and an addmm keeps its own time rather than handing it to the copies it launches.

@@ -182,6 +182,8 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                       stride_kb, stride_kh, stride_kn, stride_kd,
                       stride_vb, stride_vh, stride_vn, stride_vd,
                       stride_dob, stride_doh, stride_don, stride_dod,
+                      stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -235,11 +237,14 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                                n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
                                BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
 
-    # dK and dV share Q's layout arguments only through their own (contiguous) strides.
-    dk_block = tl.make_block_ptr(dK + batch_head.to(tl.int64) * n_keys * head_dim, shape=(n_keys, head_dim),
-                                 strides=(head_dim, 1), offsets=(n0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-    dv_block = tl.make_block_ptr(dV + batch_head.to(tl.int64) * n_keys * head_dim, shape=(n_keys, head_dim),
-                                 strides=(head_dim, 1), offsets=(n0, 0), block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
+    # strided head views flow back without copies).
+    dk_block = tl.make_block_ptr(dK + b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh,
+                                 shape=(n_keys, head_dim), strides=(stride_dkn, stride_dkd), offsets=(n0, 0),
+                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    dv_block = tl.make_block_ptr(dV + b.to(tl.int64) * stride_dvb + h.to(tl.int64) * stride_dvh,
+                                 shape=(n_keys, head_dim), strides=(stride_dvn, stride_dvd), offsets=(n0, 0),
+                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
     tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
 
@@ -261,6 +266,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     stride_kb, stride_kh, stride_kn, stride_kd,
                     stride_vb, stride_vh, stride_vn, stride_vd,
                     stride_dob, stride_doh, stride_don, stride_dod,
+                    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -298,8 +304,9 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                        False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
                        True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
-    dq_block = tl.make_block_ptr(dQ + batch_head.to(tl.int64) * n_queries * head_dim, shape=(n_queries, head_dim),
-                                 strides=(head_dim, 1), offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    dq_block = tl.make_block_ptr(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
+                                 shape=(n_queries, head_dim), strides=(stride_dqn, stride_dqd), offsets=(m0, 0),
+                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
 
 

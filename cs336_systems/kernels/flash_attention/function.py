@@ -119,8 +119,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    o4 = _as_4d(out)
+    out = torch.empty_like(q)  # q's layout: for the model's head view of (batch, seq, heads, d), merging
+    o4 = _as_4d(out)            # the heads back afterwards is a view, not a copy
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E / math.sqrt(head_dim)
@@ -184,7 +184,7 @@ def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @flash_attention_forward_op.register_fake
 def _(q, k, v, is_causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False):
@@ -207,8 +207,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
             o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
             BLOCK_M=preprocess_rows, BLOCK_D=block_d)
 
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)  # contiguous: the kernels store densely
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk4, dv4 = _as_4d(dk), _as_4d(dv)
     sm_scale = 1.0 / math.sqrt(head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
@@ -223,18 +224,21 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
 
     if fused:
         dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
-        dkdv = KernelLaunch(flash_bwd_fused_kernel, (*common, dk, dv, dq_accum, *strides, *sizes),
+        dkdv = KernelLaunch(flash_bwd_fused_kernel,
+                            (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                             flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
 
         def finish():
-            dq = (dq_accum[..., :head_dim] * sm_scale).to(q.dtype)  # (batch*heads, n_queries, head_dim)
-            return dq.view(q.shape), dk, dv
+            dq = torch.empty_like(q)  # in q's layout, as the other gradients
+            dq.copy_(dq_accum[..., :head_dim].mul_(sm_scale).view(q.shape))  # (batch*heads, ..) -> q's dims
+            return dq, dk, dv
 
         return preprocess, dkdv, None, finish
-    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk, dv, None, *strides, *sizes), flags | dict(DQ_REDUCE=0),
-                        key_grid)
-    dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq, *strides, *sizes), flags,
+    dq = torch.empty_like(q)
+    dq4 = _as_4d(dq)
+    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                        flags | dict(DQ_REDUCE=0), key_grid)
+    dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
                            lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
 

@@ -28,6 +28,13 @@ def test_verify_catches_a_wrong_step(tmp_path, monkeypatch):
         main([*TINY, "--verify", "--results-dir", str(tmp_path)])
 
 
+@pytest.mark.parametrize("fraction", ["0", "1.5", "most"])
+def test_bad_fit_fraction(fraction, capsys):
+    with pytest.raises(SystemExit):
+        main([*TINY, "--fit-fraction", fraction])
+    assert "--fit-fraction" in capsys.readouterr().err
+
+
 def test_bad_checkpoint_policy(tmp_path):
     with pytest.raises(SystemExit, match="--checkpoint"):
         main([*TINY, "--checkpoint", "sometimes", "--results-dir", str(tmp_path)])
@@ -93,6 +100,10 @@ def test_policy_ladder_follows_the_memory_model(monkeypatch):
     assert all(predict(cfg, 1, 32768, policy=p, **kw).peak < first_peak for p in ladder[1:])
     assert policy_candidates(cfg, 1, 32768, torch.device("cpu"), dtype="bf16", state_dtype="bf16",
                              attention="triton", fused=True, chunk_tokens=4096) == ["none"]
+    # A larger share of the free memory lets the first rung recompute less.
+    roomier = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
+                                attention="triton", fused=True, chunk_tokens=4096, fit_fraction=0.97)
+    assert recompute_cost(cfg, 1, 32768, roomier[0]) < recompute_cost(cfg, 1, 32768, first)
 
 
 def test_unknown_provider_is_refused(capsys):

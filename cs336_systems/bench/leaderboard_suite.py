@@ -38,6 +38,7 @@ rank ends the run (the others would wait in a collective), with the error named.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -102,6 +103,10 @@ def add_arguments(parser) -> None:
                              "partial:M, nested, selective, ...; +keep-attn on the single-level ones keeps "
                              "attention outputs; partial:M[+keep-attn]+selective keeps the other blocks' "
                              "products and recomputes only their pointwise ops")
+    parser.add_argument("--fit-fraction", type=_fraction, default=FIT_FRACTION,
+                        help=f"with --checkpoint auto: the share of the free memory the predicted peak may take "
+                             f"(default {FIT_FRACTION}; the ladder falls back to more recompute after an "
+                             f"out-of-memory)")
     parser.add_argument("--optimizer", choices=["fused", "cs336"], default=None,
                         help="fused (our Triton AdamW; default on CUDA) or cs336 (cs336_basics AdamW)")
     parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
@@ -116,6 +121,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ddp", choices=list(DDP_VARIANTS), default="overlap",
                         help="our DDP variant with several ranks (default overlap)")
     add_common_arguments(parser)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--fit-fraction: {text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--fit-fraction: got {value}; must be in (0, 1]")
+    return value
 
 
 def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> float:
@@ -159,11 +174,11 @@ def recompute_cost(cfg: ModelConfig, batch: int, seq: int, policy: str, *, atten
 
 
 def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
-                      attention: str, fused: bool, chunk_tokens: int) -> list[str]:
+                      attention: str, fused: bool, chunk_tokens: int, fit_fraction: float = FIT_FRACTION) -> list[str]:
     """Policies from least to most recompute (`recompute_cost`: none, ffn, partial:1 .. partial:N-1,
     every-block, nested; the +keep-attn variants, which recompute no attention at a few hundred MiB per
     block; and `selective` / partial:M+keep-attn+selective, whose other blocks keep their products for a
-    pointwise-only recompute): the first the memory model says fits in FIT_FRACTION of the free memory,
+    pointwise-only recompute): the first the memory model says fits in `fit_fraction` of the free memory,
     then, as fallbacks after an out-of-memory, the costlier ones predicted to need less memory than it."""
     n = cfg.num_layers
     kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
@@ -177,7 +192,7 @@ def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.devi
     peaks = [predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
                      chunk_tokens=chunk_tokens, state_dtype=state_dtype).peak for policy in ladder]
     for i, peak in enumerate(peaks):
-        if peak < FIT_FRACTION * free:
+        if peak < fit_fraction * free:
             return [ladder[i], *(p for p, q in zip(ladder[i + 1:], peaks[i + 1:]) if q < peak)]
     return ladder[-1:]
 
@@ -441,7 +456,7 @@ def _run_rank(args) -> int:
                                     optimizer=optimizer_kind)
     candidates = ([args.checkpoint] if args.checkpoint != "auto" else policy_candidates(
         cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=attention, fused=fused,
-        chunk_tokens=args.chunk_tokens))
+        chunk_tokens=args.chunk_tokens, fit_fraction=args.fit_fraction))
     if args.verify:
         errors = verify(cfg, device, DTYPES[dtype_name], attention, candidates[0], args.chunk_tokens, fused,
                         args.fused_rope)

@@ -53,7 +53,9 @@ run_stage() {
       run_stage attention-handout
       ;;
     attention-flash)
-      python3 -m cs336_systems.bench attention --sweep flash --rep-ms 40 --no-progress --results-dir "$R" \
+      # FLASH_D: the head dims to run (the whole sweep is about 6 min per head dim on the H200).
+      python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" --rep-ms 40 --no-progress \
+        --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       ;;
     attention-handout)

@@ -2,7 +2,10 @@
 
 `apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
 of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate; with `rope=True` also every
-`RotaryEmbedding` to the fused RoPE (opt-in until its GPU timing is measured). Parameters, names and the
+`RotaryEmbedding` to the fused RoPE (opt-in until its GPU timing is measured). Every `Linear` runs
+as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in the
+weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight
+gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). Parameters, names and the
 state dict are untouched, and the function computed is the same up to rounding (both keep the
 norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
 compose with it. Apply it before `apply_checkpointing`: the ffn/attn policies wrap the
@@ -17,8 +20,9 @@ from __future__ import annotations
 import types
 
 import torch.nn as nn
+import torch.nn.functional as F
 
-from cs336_basics.model import RMSNorm, RotaryEmbedding, SwiGLU
+from cs336_basics.model import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.swiglu import silu_mul
@@ -32,13 +36,17 @@ def _fused_swiglu_forward(self, x):
     return self.w2(silu_mul(self.w1(x), self.w3(x)))
 
 
+def _linear_forward(self, x):
+    return F.linear(x, self.weight)
+
+
 def _fused_rope_forward(self, x, pos_ids):
     return fused_rope(x, pos_ids, self._freq_cis_cache)
 
 
 def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
-    `model`; returns `model`."""
+    `model`, and the layout-keeping product on every Linear; returns `model`."""
     patched = 0
     for module in model.modules():
         if rope and isinstance(module, RotaryEmbedding):
@@ -50,6 +58,8 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
         elif isinstance(module, SwiGLU):
             module.forward = types.MethodType(_fused_swiglu_forward, module)
             patched += 1
+        elif isinstance(module, Linear):
+            module.forward = types.MethodType(_linear_forward, module)
     if not patched:
         raise ValueError(f"apply_fused_kernels: {type(model).__name__} has no RMSNorm or SwiGLU modules")
     return model

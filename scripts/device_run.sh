@@ -4,7 +4,7 @@
 # Stages: env, tests, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
-# leaderboard-profile, leaderboard-rope;
+# leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
 # device tool returns at most 8 files); unpack it into results/ here. Snapshots and traces stay behind.
@@ -132,6 +132,11 @@ run_stage() {
       # kernel time by phase and kind of work (rows: profile_category_time, profile_kernel_time).
       python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 4000 --profile ${LEADERBOARD_ARGS:-} \
         --results-dir "$R" 2>&1 | tail -60
+      ;;
+    leaderboard-quick)
+      # Ours beside the baseline with short timing (warm-up 1 s, 5 s of steps): a check in about 2.5 min.
+      python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 5000 ${LEADERBOARD_ARGS:-} \
+        --results-dir "$R" 2>&1 | tail -8
       ;;
     leaderboard-rope)
       # Our Triton RoPE on top (opt-in until this run): ours with and without it, back to back.

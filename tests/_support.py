@@ -47,3 +47,48 @@ def assert_within_budget(name: str, out: torch.Tensor, ref: torch.Tensor, torch_
     floor = factor * torch.finfo(out.dtype).eps * max(1.0, ref.double().abs().max().item())
     budget = factor * max_abs_error(torch_low_precision, ref) + floor
     assert ours <= budget, f"{name}: max error {ours:.3e} > budget {budget:.3e}"
+
+
+def _in_triton_interpreter() -> bool:
+    """Whether Triton's CPU interpreter is on the stack (it copies every kernel argument back itself)."""
+    import os
+    import sys
+
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("triton", "runtime", "interpreter.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class CopyCounter:
+    """Context manager recording the tensor copies (aten copy_, clone, _to_copy) run inside it, as
+    (op, shape, strides) of the destination or source; the interpreter's own copies are left out."""
+
+    COPIES = ("copy_", "clone", "_to_copy")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies = self.copies = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.__name__.split(".")[0] in CopyCounter.COPIES and not _in_triton_interpreter():
+                    copies.append((func.__name__, tuple(args[0].shape), args[0].stride()))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def of_shape(self, *shapes) -> list:
+        """The copies whose tensor has one of `shapes`, or, given an int, any dim of that size."""
+        return [c for c in self.copies if any(c[1] == tuple(s) if not isinstance(s, int) else s in c[1]
+                                              for s in shapes)]

@@ -87,6 +87,24 @@ def test_fused_model_computes_the_same_function(rope):
     assert set(fused.state_dict()) == set(plain.state_dict())
 
 
+def test_fused_model_copies_no_weight_gradient():
+    """With the fused path the weights' gradients come out of the products in their own layout, so
+    AccumulateGrad does not copy them (the plain model's einsum gradients are transposed: one copy each)."""
+    from tests._support import CopyCounter
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=24)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    copies = {}
+    for name, model in (("plain", cfg.build(device=device)), ("fused", apply_fused_kernels(cfg.build(device=device)))):
+        weights = {tuple(p.shape) for n, p in model.named_parameters() if "layers" in n and p.dim() == 2}
+        with CopyCounter() as counter:  # grads are None, as after zero_grad(set_to_none=True) in a step
+            model(tokens).square().mean().backward()
+        copies[name] = counter.of_shape(*weights)
+    assert copies["fused"] == []
+    assert len(copies["plain"]) >= 7 * cfg.num_layers  # the einsum's layout: the copies this removes
+
+
 def test_fused_model_saves_less():
     from cs336_systems.memory.saved_tensors import SavedTensorLog
 

@@ -53,7 +53,8 @@ run_stage() {
       run_stage attention-handout
       ;;
     attention-flash)
-      # FLASH_D: the head dims to run (the whole sweep is about 6 min per head dim on the H200).
+      # FLASH_D: the head dims to run, one per call: at d 16 the sweep took 5 min to reach seq 1024 (the tiled
+      # PyTorch reference and the fp32 autotune dominate), so all four do not fit in one 10-minute call.
       python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" --rep-ms 40 --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20

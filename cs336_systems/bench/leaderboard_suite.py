@@ -154,8 +154,9 @@ def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> floa
 
 
 # Pointwise recompute priced against products: on the H200 bf16 matmuls run at about 730-790 TFLOP/s and device
-# copies at about 4 TB/s (../shared/BASELINES.md), so one byte moved costs about 200 FLOPs. The 8B step of
-# session 4 suggests the selective blocks' recompute costs several times this (notes/leaderboard.md).
+# copies at about 4 TB/s (../shared/BASELINES.md), so one byte moved costs about 200 FLOPs. Session 4's step
+# suggested several times this; session 5's profile found the excess in a slow RoPE and layout copies (fixed):
+# the forward's pointwise kernels now take about 1.5 ms per block, in line with this price (notes/leaderboard.md).
 POINTWISE_FLOPS_PER_BYTE = 200.0
 
 

@@ -135,8 +135,9 @@ run_stage() {
         --results-dir "$R" 2>&1 | tail -60
       ;;
     leaderboard-quick)
-      # Ours beside the baseline with short timing (warm-up 1 s, 5 s of steps): a check in about 2.5 min.
-      python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 5000 ${LEADERBOARD_ARGS:-} \
+      # Ours beside the baseline with short timing (warm-up 1 s, 15 s of steps: about 3 timed steps each at 8B;
+      # 5 s gave do_bench a single step).
+      python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 15000 ${LEADERBOARD_ARGS:-} \
         --results-dir "$R" 2>&1 | tail -8
       ;;
     leaderboard-rope)

@@ -146,7 +146,8 @@ def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,positions", [((2, 3, 17, 16), "arange"), ((1, 5, 8), "offset"),
-                                             ((4, 33, 64), "random"), ((2, 3, 9, 48), "per-head")])
+                                             ((4, 33, 64), "random"), ((2, 3, 9, 48), "per-head"),
+                                             ((2, 2, 3, 5, 8), "arange")])
 def test_rope_matches_reference(shape, positions, dtype):
     from cs336_basics.model import RotaryEmbedding
     from cs336_systems.kernels.rope import rope, rope_reference
@@ -188,6 +189,9 @@ def test_rope_reads_the_models_head_view_in_place_and_keeps_its_layout():
     leaf = projection.detach().requires_grad_()
     rope_reference(leaf.view(batch, seq, heads, dim).transpose(1, 2), pos, cache).backward(dy)
     torch.testing.assert_close(projection.grad, leaf.grad, rtol=1e-5, atol=1e-5)
+    # More leading dims, permuted: whatever the layout, the values are the rotation's.
+    five = torch.randn(2, seq, 3, 2, dim, device=device).permute(0, 2, 3, 1, 4)  # (2, 3, 2, seq, dim)
+    torch.testing.assert_close(rope(five, pos, cache), rope_reference(five, pos, cache), rtol=1e-5, atol=1e-5)
 
 
 def test_rope_bad_inputs():

@@ -86,7 +86,7 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     """Rotate x by the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads)."""
     import triton
 
-    if x.stride(-1) != 1:
+    if x.stride(-1) != 1 or x.dim() > 4:  # beyond 4-D the (batch, heads) merge must be a view of out too
         x = x.contiguous()
     out = torch.empty_like(x)  # x's layout when x is dense (the model's strided head view), else contiguous
     x4, out4 = _as_4d(x), _as_4d(out)

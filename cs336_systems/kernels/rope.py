@@ -59,16 +59,20 @@ def _kernel():
             angle = tl.load(pos_rows, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
             cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
             sin = SIGN * tl.load(cache_ptr + context * (dim // 2) + angle, mask=pair_mask, other=0.0).to(tl.float32)
-        for h in range(n_heads):
+        # Pointers step head by head (64-bit), rather than h * stride in 32 bits, which could overflow.
+        for _ in range(n_heads):
             if not HEADS_SHARE_POS:
-                angle = tl.load(pos_rows + h * stride_ph, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
+                angle = tl.load(pos_rows, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
                 cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
                 sin = SIGN * tl.load(cache_ptr + context * (dim // 2) + angle, mask=pair_mask,
                                      other=0.0).to(tl.float32)
-            x = tl.load(x_rows + h * stride_xh, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
+            x = tl.load(x_rows, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_S, BLOCK_D)
             x1, x2 = tl.split(tl.reshape(x, (BLOCK_S, BLOCK_D // 2, 2)))  # the even and odd elements
             y = tl.reshape(tl.join(cos * x1 - sin * x2, sin * x1 + cos * x2), (BLOCK_S, BLOCK_D))
-            tl.store(out_rows + h * stride_oh, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_rows, y.to(out_ptr.dtype.element_ty), mask=mask)
+            x_rows += stride_xh
+            out_rows += stride_oh
+            pos_rows += stride_ph
 
     return rope_kernel
 

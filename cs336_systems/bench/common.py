@@ -59,6 +59,20 @@ def positive_int(name: str, minimum: int = 1):
     return parse
 
 
+def fraction(name: str):
+    """argparse type: a number in (0, 1], the error naming the option."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"{name}: got {value}; must be in (0, 1]")
+        return value
+
+    return parse
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=parse_device, default=default_device(),
                         help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")

@@ -38,7 +38,6 @@ rank ends the run (the others would wait in a collective), with the error named.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
@@ -53,6 +52,7 @@ from cs336_systems.bench.common import (
     DTYPES,
     add_common_arguments,
     error_message,
+    fraction,
     free_memory,
     is_oom,
     list_of,
@@ -103,7 +103,7 @@ def add_arguments(parser) -> None:
                              "partial:M, nested, selective, ...; +keep-attn on the single-level ones keeps "
                              "attention outputs; partial:M[+keep-attn]+selective keeps the other blocks' "
                              "products and recomputes only their pointwise ops")
-    parser.add_argument("--fit-fraction", type=_fraction, default=FIT_FRACTION,
+    parser.add_argument("--fit-fraction", type=fraction("--fit-fraction"), default=FIT_FRACTION,
                         help=f"with --checkpoint auto: the share of the free memory the predicted peak may take "
                              f"(default {FIT_FRACTION}; the ladder falls back to more recompute after an "
                              f"out-of-memory)")
@@ -121,16 +121,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ddp", choices=list(DDP_VARIANTS), default="overlap",
                         help="our DDP variant with several ranks (default overlap)")
     add_common_arguments(parser)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--fit-fraction: {text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"--fit-fraction: got {value}; must be in (0, 1]")
-    return value
 
 
 def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> float:

@@ -285,7 +285,7 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
     absent = [f"{dtype} d {d}" for dtype in ("bf16", "fp32") for d in (16, 32, 64, 128) if (d, dtype) not in measured]
     if absent:
         r.missing.append(("flash_benchmarking", f"the flash sweep at {', '.join(absent)} (`FLASH_D=... bash "
-                          "scripts/device_run.sh attention-flash`, about 6 min per head dim, GPU)"))
+                          "scripts/device_run.sh attention-flash`, one head dim per call, GPU)"))
 
 
 def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
-# attention-handout), attention-tune, model,
+# Stages: env, tests, tests-all, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
@@ -55,12 +55,22 @@ run_stage() {
     attention-flash)
       # FLASH_D: the head dims to run, one per call: at d 16 the sweep took 5 min to reach seq 1024 (the tiled
       # PyTorch reference and the fp32 autotune dominate), so all four do not fit in one 10-minute call.
-      python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" --rep-ms 40 --no-progress \
+      python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" \
+        --dtype "${FLASH_DTYPE:-bf16,fp32}" --rep-ms 40 --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       ;;
+    attention-host)
+      # Host time per small attention call (the flash sweep's short sequences are host-bound) and its profile.
+      python3 scripts/attention_host_overhead.py --out "$R/attention_host_overhead.txt" 2>&1 | head -80
+      ;;
     attention-handout)
       python3 -m cs336_systems.bench attention --sweep handout --no-progress --results-dir "$R" 2>&1 | tail -45
+      ;;
+    tests-all)
+      # Every test but the multi-process ones (those run on gloo in CI), GPU tests included.
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 12 -p no:cacheprovider -m "not distributed" tests 2>&1 \
+        | tee "$OUT/tests_all.log" | tail -30
       ;;
     tests-fused)
       python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels_rmsnorm_swiglu.py tests/test_memory_model.py \

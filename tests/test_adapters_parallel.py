@@ -1,10 +1,13 @@
 """The DDP, sharded-optimizer and FSDP adapters, called the way both suite releases call them."""
 
+import pytest
 import torch
 
 import tests.adapters as adapters
 from cs336_systems.parallel.ddp import BucketedDDP, OverlapDDP
 from tests._distributed import ToyModel, local_rows, run_on_ranks, toy_batches
+
+pytestmark = pytest.mark.distributed  # spawns gloo ranks
 
 INTERFACE_NAMES = [
     "get_flashattention_autograd_function_pytorch", "get_flashattention_autograd_function_triton", "get_ddp",

@@ -157,6 +157,7 @@ def _lockstep_rank(rank, world_size, out_dir):
         f.write(f"{len(calls)} {timing.n}")
 
 
+@pytest.mark.distributed
 def test_lockstep_timing_agrees_on_step_counts(tmp_path):
     """With several ranks every rank must run the same number of steps (do_bench would size its own)."""
     from cs336_systems.parallel import comm

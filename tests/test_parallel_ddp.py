@@ -10,6 +10,8 @@ from cs336_systems.parallel.buckets import assign_buckets
 from cs336_systems.parallel.ddp import VARIANTS, make_ddp
 from tests._distributed import ToyModel, local_rows, run_on_ranks, toy_batches
 
+pytestmark = pytest.mark.distributed  # spawns gloo ranks
+
 CASES = [("naive", {}), ("flat", {}), ("overlap", {}), ("bucketed", {"bucket_size_mb": None}),
          ("bucketed", {"bucket_size_mb": 0.0001}), ("bucketed", {"bucket_size_mb": 0.002}),
          ("bucketed", {"bucket_size_mb": 10.0})]

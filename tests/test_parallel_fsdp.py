@@ -14,6 +14,8 @@ from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.parallel.fsdp import FSDP, fsdp_gather_full_params
 from tests._distributed import local_rows, run_on_ranks
 
+pytestmark = pytest.mark.distributed  # spawns gloo ranks
+
 CONFIG = dict(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48)
 
 

@@ -8,6 +8,8 @@ import torch
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer, ZeroReduceScatterOptimizer, communication_volume
 from tests._distributed import ToyModel, local_rows, run_on_ranks, toy_batches
 
+pytestmark = pytest.mark.distributed  # spawns gloo ranks
+
 
 def _matches_unsharded(rank, world_size):
     torch.manual_seed(0)

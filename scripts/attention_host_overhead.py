@@ -1,0 +1,90 @@
+"""Where the host time of one small attention call goes (a diagnostic for the flash sweep's short sequences).
+
+At seq 128 the GPU work of an attention call is a few microseconds, so do_bench measures how fast the host
+issues it. This prints, for our Triton FlashAttention and SDPA's flash backend, the wall time per call of
+forward (no grad), forward (grad enabled, graph built) and forward+backward, each averaged over many calls
+with one synchronisation at the end, and then cProfile's top entries for our forward and backward.
+
+    python scripts/attention_host_overhead.py [--seq 128] [--d 64] [--calls 300] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+import torch.nn.functional as F
+
+from cs336_systems.kernels.flash_attention.function import flash_attention, flash_backward, flash_forward
+
+
+def per_call_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--out", default=None, help="also write the report to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_host_overhead: needs a CUDA device")
+    q, k, v = (torch.randn(1, 1, args.seq, args.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn_like(q)
+    attention = {
+        "triton": lambda: flash_attention(q, k, v, True),
+        "sdpa-flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    lines = [f"seq {args.seq}, d {args.d}, bf16, causal, 1 x 1 heads; microseconds per call (host-bound)"]
+    for name, attend in attention.items():
+        def forward_no_grad(attend=attend):
+            with torch.no_grad():
+                attend()
+
+        def forward_backward(attend=attend):
+            for t in (q, k, v):
+                t.grad = None
+            attend().backward(grad_out)
+
+        timings = {"fwd no-grad": per_call_us(forward_no_grad, args.calls),
+                   "fwd grad": per_call_us(attend, args.calls),
+                   "fwd+bwd": per_call_us(forward_backward, args.calls)}
+        lines.append(f"{name:>12}: " + ", ".join(f"{key} {value:7.1f}" for key, value in timings.items()))
+    # cProfile sees only this thread and autograd runs the backward in its own, so the two halves are
+    # profiled as direct calls: the forward with grad enabled, and the backward launcher itself.
+    out, lse = flash_forward(q.detach(), k.detach(), v.detach(), True)
+    halves = {"forward (autograd Function, grad enabled)": lambda: flash_attention(q, k, v, True),
+              "backward (flash_backward, direct)": lambda: flash_backward(q, k, v, out, lse, grad_out, True)}
+    for title, half in halves.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            half()
+        torch.cuda.synchronize()
+        profiler.disable()
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
+        lines.append(f"\ncProfile of {args.calls} calls of the {title}, by own time:\n{stream.getvalue()}")
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,16 @@ def per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=128)
@@ -64,11 +74,19 @@ def main() -> None:
                    "fwd grad": per_call_us(attend, args.calls),
                    "fwd+bwd": per_call_us(forward_backward, args.calls)}
         lines.append(f"{name:>12}: " + ", ".join(f"{key} {value:7.1f}" for key, value in timings.items()))
+    # The backward's parts, timed the same way: the launcher called directly, a backward through a retained
+    # graph, and, as a control, a Python autograd Function that does one elementwise op each way.
+    out, lse = flash_forward(q.detach(), k.detach(), v.detach(), True)
+    retained = flash_attention(q, k, v, True)
+    x = torch.randn(16, device="cuda", requires_grad=True)
+    parts = {"flash_backward direct": lambda: flash_backward(q, k, v, out, lse, grad_out, True),
+             "bwd, retained graph": lambda: retained.backward(grad_out, retain_graph=True),
+             "control Function fwd+bwd": lambda: _Scale.apply(x).sum().backward()}
+    lines.append("      triton: " + ", ".join(f"{key} {per_call_us(fn, args.calls):7.1f}" for key, fn in parts.items()))
     # cProfile sees only this thread and autograd runs the backward in its own, so the two halves are
     # profiled as direct calls: the forward with grad enabled, and the backward launcher itself.
-    out, lse = flash_forward(q.detach(), k.detach(), v.detach(), True)
     halves = {"forward (autograd Function, grad enabled)": lambda: flash_attention(q, k, v, True),
-              "backward (flash_backward, direct)": lambda: flash_backward(q, k, v, out, lse, grad_out, True)}
+              "backward (flash_backward, direct)": parts["flash_backward direct"]}
     for title, half in halves.items():
         profiler = cProfile.Profile()
         profiler.enable()

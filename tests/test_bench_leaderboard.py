@@ -53,12 +53,13 @@ def test_baseline_beside_ours_in_one_run(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("checkpoint", ["auto", "partial:1+keep-attn+selective"])
-def test_fused_kernels_verify_under_the_interpreter(tmp_path, checkpoint):
-    """Our fused kernels (and the 8B step's policy shape: some blocks recomputed, the rest selective)."""
+def test_fused_kernels_verify(tmp_path, checkpoint):
+    """Our fused kernels (and the 8B step's policy shape: some blocks recomputed, the rest selective), on the
+    GPU where there is one, else under the interpreter."""
     from tests._support import kernel_device
 
-    kernel_device()
-    assert main([*TINY, "--verify", "--fused", "on", "--fused-rope", "--checkpoint", checkpoint, "--provider",
+    tiny = [*TINY[:-6], "--device", kernel_device(), *TINY[-4:]]
+    assert main([*tiny, "--verify", "--fused", "on", "--fused-rope", "--checkpoint", checkpoint, "--provider",
                  "ours", "--results-dir", str(tmp_path)]) == 0
     rows = load_rows(tmp_path / "leaderboard.jsonl")
     assert all(r["config"]["fused"] for r in rows if r["provider"] == "ours")

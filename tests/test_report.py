@@ -48,3 +48,18 @@ def test_missing_results_dir_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--results-dir", str(tmp_path / "nothing")])
     assert "--results-dir" in capsys.readouterr().err
+
+
+def test_leaderboard_paragraph_is_computed_from_the_run(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    lb = dict(preset="leaderboard-8b", context=32768, checkpoint="none")
+    rows = [_row("leaderboard", "ours", "step_time", 4900.0, **lb), _row("leaderboard", "baseline", "step_time", 5900.0,
+                                                                          **lb),
+            _row("leaderboard", "ours", "speedup_vs_baseline", 5900 / 4900, **lb),
+            _row("leaderboard", "suite", "matmul_ceiling", 777.0, **lb)]
+    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    assert "1.204x the baseline's speed" in text and "4.9 s per step: the target of 5.0 s is met" in text
+    assert "ceiling measured in this run: 777 TFLOP/s" in text

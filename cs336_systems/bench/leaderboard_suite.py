@@ -461,6 +461,9 @@ def _run_rank(args) -> int:
         if not ok:
             raise SystemExit("leaderboard --verify: our step's gradients are outside the error budget")
     matmul_peak = measure_matmul_peak(device) if on_cuda else None
+    if matmul_peak:  # MFU's denominator, measured in this run (it drifts with clocks and heat by up to ~10 %)
+        store.add(provider="suite", config=our_config, metric="matmul_ceiling", unit="TFLOP/s",
+                  value=matmul_peak / 1e12)
     data = torch.Generator(device).manual_seed(1234 + comm.rank())  # each rank its own sequences
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)
     targets = torch.randint(0, cfg.vocab_size, (args.batch, seq), device=device, generator=data)

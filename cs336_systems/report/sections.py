@@ -100,7 +100,7 @@ def _ours_vs_baseline(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
 def benchmarking_script(doc: Document, r: Results) -> None:
     doc.add(Heading("benchmarking_script: forward, backward and training-step timings"))
     model = _eager_reference_rows(r.frame("model"))
-    eager = model[(model["compile"] == False) & (model["dtype"] == "fp32")]  # noqa: E712
+    eager = model[(model["compile"] == False) & (model["dtype"] == "fp32")] if not model.empty else model  # noqa: E712
     if eager.empty:
         return r.note_missing(doc, "benchmarking_script", "eager fp32 model-suite rows (GPU)")
     table = _ours_vs_baseline(eager, ["preset", "mode"])
@@ -413,7 +413,8 @@ def torch_compile_model(doc: Document, r: Results) -> None:
 def fused_model_path(doc: Document, r: Results) -> None:
     doc.add(Heading("Our kernels in the model: Triton attention, fused RMSNorm/SwiGLU, fused AdamW"))
     model = r.frame("model")
-    rows = model[(model["metric"] == "time") & (_col(model, "fused", False).fillna(False) == True)]  # noqa: E712
+    rows = model[(model["metric"] == "time") & (_col(model, "fused", False).fillna(False) == True)] \
+        if not model.empty else model  # noqa: E712
     if rows.empty:
         return r.note_missing(doc, "fused model path", "model-suite rows with --fused (GPU)")
     base = model[(model["metric"] == "time") & model["run_id"].isin(rows["run_id"]) & (model["provider"] == "baseline")]
@@ -462,7 +463,8 @@ def _leaderboard_run(doc: Document, rows: pd.DataFrame) -> None:
         mine = rows[(rows["provider"] == row["provider"]) & (rows["checkpoint"] == row["checkpoint"])]
         values = mine.drop_duplicates("metric", keep="last").set_index("metric")["median"]
         get = values.get
-        phases = mine[mine["metric"] == "phase_time"].set_index("phase")["median"]
+        phases = mine[mine["metric"] == "phase_time"].set_index("phase")["median"] if "phase" in mine \
+            else pd.Series(dtype=float)
         summary.append({"provider": row["provider"], "checkpoint": row["checkpoint"],
                         "step s": round(row["median"] / 1e3, 3), "std ms": round(row["std"], 1),
                         "tokens/s": round(get("tokens_per_s") or 0), "MFU %": round(get("mfu") or 0, 1),
@@ -482,6 +484,10 @@ def _leaderboard_run(doc: Document, rows: pd.DataFrame) -> None:
         sentence += f"; {ours[0]['step s']} s per step: the target of 5.0 s is {verdict}"
     if not wall.empty:
         sentence += f". The whole command from a cold Triton cache took {wall['median'].iloc[0]:.0f} s"
+    ceiling = rows[rows["metric"] == "matmul_ceiling"]
+    if not ceiling.empty:
+        sentence += (f". MFU's denominator, the bf16 matmul ceiling measured in this run: "
+                     f"{ceiling['median'].iloc[0]:.0f} TFLOP/s")
     doc.add(Paragraph(sentence + "."))
 
 

@@ -19,7 +19,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cs336_systems.kernels.flash_attention.function import flash_attention, flash_backward, flash_forward
+from cs336_systems.kernels.flash_attention.function import (
+    FlashAttentionTriton,
+    flash_attention,
+    flash_backward,
+    flash_forward,
+)
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -41,6 +46,39 @@ class _Scale(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * 2
+
+
+def backward_gaps(q, k, v, grad_out, calls: int) -> dict[str, float]:
+    """Where a fresh graph's backward spends its host time: from .backward() to our Function's backward
+    starting (autograd engine, its device thread), inside it, and from its end to .backward() returning."""
+    marks = {}
+    original = FlashAttentionTriton.backward
+
+    def timed_backward(ctx, grad):
+        marks["enter"] = time.perf_counter()
+        grads = original(ctx, grad)
+        marks["exit"] = time.perf_counter()
+        return grads
+
+    gaps = {"fwd": 0.0, "engine -> our backward": 0.0, "our backward": 0.0, "our backward -> return": 0.0}
+    FlashAttentionTriton.backward = staticmethod(timed_backward)
+    try:
+        for step in range(calls + 10):
+            for t in (q, k, v):
+                t.grad = None
+            start = time.perf_counter()
+            out = flash_attention(q, k, v, True)
+            called = time.perf_counter()
+            out.backward(grad_out)
+            returned = time.perf_counter()
+            if step >= 10:
+                for key, value in zip(gaps, (called - start, marks["enter"] - called, marks["exit"] - marks["enter"],
+                                             returned - marks["exit"])):
+                    gaps[key] += value * 1e6 / calls
+    finally:
+        FlashAttentionTriton.backward = staticmethod(original)
+    torch.cuda.synchronize()
+    return gaps
 
 
 def main() -> None:
@@ -83,6 +121,8 @@ def main() -> None:
              "bwd, retained graph": lambda: retained.backward(grad_out, retain_graph=True),
              "control Function fwd+bwd": lambda: _Scale.apply(x).sum().backward()}
     lines.append("      triton: " + ", ".join(f"{key} {per_call_us(fn, args.calls):7.1f}" for key, fn in parts.items()))
+    lines.append("      triton, one fwd+bwd split by timestamps (us, mean): " + ", ".join(
+        f"{key} {value:7.1f}" for key, value in backward_gaps(q, k, v, grad_out, args.calls).items()))
     # cProfile sees only this thread and autograd runs the backward in its own, so the two halves are
     # profiled as direct calls: the forward with grad enabled, and the backward launcher itself.
     halves = {"forward (autograd Function, grad enabled)": lambda: flash_attention(q, k, v, True),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
 from cs336_systems.kernels.flash_attention.backward import (
@@ -176,15 +177,25 @@ def _install_descriptor_allocator(device: torch.device | str = "cuda"):
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
 def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward as a registered operator, (O, L): the autograd Function calls it, so dispatcher-level
-    tools see one op per attention call; selective checkpointing (`every-block+keep-attn`) saves its
-    outputs instead of recomputing them."""
+    """The forward as a registered operator, (O, L): under a dispatch mode or torch.compile the autograd
+    Function calls it (`_attention_forward`), so selective checkpointing (`every-block+keep-attn`) sees one
+    op per attention call and saves its outputs instead of recomputing them."""
     return flash_forward(q, k, v, is_causal)
 
 
 @flash_attention_forward_op.register_fake
 def _(q, k, v, is_causal):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _attention_forward(q, k, v, is_causal: bool):
+    """The forward through the registered op where something above the dispatcher needs to see it (a torch
+    dispatch mode: selective checkpointing, fake tensors; torch.compile's tracing), else the launcher
+    directly: the op's eager dispatch costs about as much host time as the kernel launch itself, which is
+    what a short sequence's call is made of (`scripts/attention_host_overhead.py`)."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return flash_attention_forward_op(q, k, v, is_causal)
+    return flash_forward(q, k, v, is_causal)
 
 
 def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False):
@@ -262,7 +273,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
         validate_attention_inputs(q, k, v)
-        out, lse = flash_attention_forward_op(q, k, v, bool(is_causal))
+        out, lse = _attention_forward(q, k, v, bool(is_causal))
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = bool(is_causal)
         return out

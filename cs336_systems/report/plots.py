@@ -17,28 +17,40 @@ def _pyplot():
 
 
 def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd-bwd") -> Path:
-    """TFLOP/s against sequence length, one line per provider, one panel per (head dim, dtype)."""
+    """TFLOP/s against sequence length, one line per provider (same colour in every panel), one panel per
+    head dim (columns) and dtype (rows)."""
     plt = _pyplot()
     rows = frame[(frame["metric"] == "tflops") & (frame["status"] == "ok") & (frame["pass"] == pass_name)]
-    panels = sorted({(d, t) for d, t in zip(rows["d"], rows["dtype"])})
-    if not panels:
+    dims, dtypes = sorted(set(rows["d"])), sorted(set(rows["dtype"]))
+    if not dims:
         raise ValueError(f"plot_attention_tflops: no ok TFLOP/s rows for pass {pass_name!r}")
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.8), squeeze=False)
-    for ax, (d, dtype) in zip(axes[0], panels):
-        sub = rows[(rows["d"] == d) & (rows["dtype"] == dtype)]
-        for provider, line in sub.groupby("provider"):
-            line = line.sort_values("seq")
-            style = "--" if provider.startswith("sdpa") else "-"
-            ax.plot(line["seq"], line["median"], style, marker="o", ms=3, label=provider)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"d={d}, {dtype}, {pass_name}")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel("TFLOP/s (causal FLOPs)")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    providers = sorted(set(rows["provider"]))
+    colours = dict(zip(providers, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    fig, axes = plt.subplots(len(dtypes), len(dims), figsize=(4.2 * len(dims), 3.4 * len(dtypes) + 0.6),
+                             squeeze=False)
+    for i, dtype in enumerate(dtypes):
+        for j, d in enumerate(dims):
+            ax = axes[i][j]
+            sub = rows[(rows["d"] == d) & (rows["dtype"] == dtype)]
+            if sub.empty:
+                ax.set_axis_off()
+                ax.text(0.5, 0.5, f"d={d}, {dtype}: not measured", ha="center", va="center", transform=ax.transAxes)
+                continue
+            for provider, line in sub.groupby("provider"):
+                line = line.sort_values("seq")
+                ax.plot(line["seq"], line["median"], "--" if provider.startswith("sdpa") else "-", marker="o",
+                        ms=3, color=colours[provider], label=provider)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d={d}, {dtype}, {pass_name}", fontsize=9)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s (causal FLOPs)")
+            ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=colours[p], ls="--" if p.startswith("sdpa") else "-", marker="o", ms=3)
+               for p in providers]
+    fig.legend(handles, providers, loc="lower center", ncol=len(providers), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06 if len(dtypes) > 1 else 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 

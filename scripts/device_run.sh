@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, profile, memory, memory-profile, leaderboard,
+# model-compiled, model-triton, model-fused, profile, memory, memory-profile, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -129,6 +129,11 @@ run_stage() {
     model-triton)
       python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --compile off,on \
         --attention triton --mode train-step --no-progress --results-dir "$R" 2>&1 | tail -20
+      ;;
+    cross-entropy)
+      # The fused LM head + cross-entropy against lm_head + cross_entropy (and the baseline's chunked loss) at
+      # the leaderboard's shape and a quarter of it: time of loss + gradients, peak memory above the inputs.
+      python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --no-progress --results-dir "$R" 2>&1 | tail -8
       ;;
     leaderboard)
       python3 -m cs336_systems.bench leaderboard --preset tiny --context 256 --verify --param-dtype bf16 \

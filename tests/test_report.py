@@ -83,3 +83,21 @@ def test_flash_sweep_figure_covers_every_head_dim_and_dtype(tmp_path):
     assert "figures/attention_flash_sweep.png" in text and figure.stat().st_size > 0
     assert "our fwd+bwd takes 0.90-0.90 ms against SDPA-flash's 0.20-0.20 ms" in text
     assert "fp32 d 32" in text and "bf16 d 16 (seq 512" in text  # listed missing: whole, and the seqs lacking
+
+
+def test_cross_entropy_section_from_gpu_rows(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    shape = dict(tokens=32768, vocab=151936, d_model=4096, dtype="bf16", chunk_tokens=4096)
+    rows = [_row("cross-entropy", "fused", "time", 200.0, **shape),
+            _row("cross-entropy", "plain", "time", 300.0, **shape),
+            _row("cross-entropy", "chunked", "time", 250.0, **shape),
+            _row("cross-entropy", "fused", "peak_above_inputs", 3.5, **shape)]
+    oom = _row("cross-entropy", "plain", "time", None, **(shape | dict(tokens=65536)))
+    oom.update(status="oom")
+    (results / "cross-entropy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, oom]))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    section = text[text.index("## Fused LM head + cross-entropy"):]
+    assert "| 1.5 " in section or "1.5 |" in section  # plain / fused
+    assert "1.25" in section and "oom" in section and "3.5" in section

@@ -86,7 +86,9 @@ def chunked_cross_entropy(model: BaselineLM, hidden: torch.Tensor, targets: torc
     """Mean cross-entropy of model.head(hidden) in sequence chunks of `chunk`, each chunk's logits
     recomputed in backward. hidden (batch, seq, d), targets (batch, seq)."""
     def piece(h, t):
-        return F.cross_entropy(model.head(h).float().flatten(0, 1), t.flatten(), reduction="sum")
+        logits = model.head(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 softmax; fp64 stays fp64
+        return F.cross_entropy(logits.flatten(0, 1), t.flatten(), reduction="sum")
 
     total = 0.0
     for start in range(0, hidden.shape[1], chunk):

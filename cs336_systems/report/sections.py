@@ -460,6 +460,36 @@ def fused_model_path(doc: Document, r: Results) -> None:
                       "bound. At 32k context (leaderboard, below) the same kernels pay."))
 
 
+def fused_cross_entropy(doc: Document, r: Results) -> None:
+    """Issue 7's loss benchmark: our fused LM head + cross-entropy against lm_head + cross_entropy."""
+    doc.add(Heading("Fused LM head + cross-entropy"))
+    frame = r.frame("cross-entropy")
+    rows = frame[frame["device"] == "cuda"] if not frame.empty else frame
+    if rows.empty:
+        return r.note_missing(doc, "fused cross-entropy", "`cs336-bench cross-entropy` rows (`bash "
+                              "scripts/device_run.sh cross-entropy`, GPU)")
+    keys = ["tokens", "vocab", "d_model", "dtype"]
+    rows = latest(rows, ["provider", *keys, "metric"])
+    times = rows[rows["metric"] == "time"]
+    cells = times.assign(cell=[f"{m:.1f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])])
+    table = cells.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last")
+    table.columns = [f"{c} ms" for c in table.columns]
+    ok = times[times["status"] == "ok"].pivot_table(index=keys, columns="provider", values="median")
+    for base in ("plain", "chunked"):
+        if {"fused", base} <= set(ok.columns):
+            table[f"fused speed-up vs {base}"] = (ok[base] / ok["fused"]).round(2)
+    for metric, label, digits in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 0)):
+        part = rows[rows["metric"] == metric].pivot_table(index=keys, columns="provider", values="median")
+        for provider in part.columns:
+            table[f"{provider} {label}"] = part[provider].round(digits)
+    doc.add(Paragraph("`cs336-bench cross-entropy`: the loss and its gradients for the hidden states and the head "
+                      "weight, one forward and backward, timed by do_bench. fused is ours; plain is "
+                      "F.cross_entropy on the whole fp32-upcast logits; chunked is the leaderboard baseline's loss "
+                      "(4096-token chunks, each checkpointed). TFLOP/s counts the three GEMMs (logits, dH, dW) "
+                      "for every provider; peak is the memory allocated above the inputs. " + environment(times)))
+    doc.add(Table(table.reset_index(), "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
+
+
 def leaderboard(doc: Document, r: Results) -> None:
     doc.add(Heading("Leaderboard: the 8B training step at 32k context"))
     lb = r.frame("leaderboard")
@@ -709,4 +739,4 @@ def implementations(doc: Document, r: Results) -> None:
 SECTIONS = (benchmarking_script, nsys_profile, mixed_precision_accumulation, memory_profiling, attention_benchmarks,
             attention_tuning,
             torch_compile_model, checkpointing_and_memory_model, distributed_communication, ddp, sharding_and_fsdp,
-            communication_accounting, fused_model_path, leaderboard, implementations)
+            communication_accounting, fused_model_path, fused_cross_entropy, leaderboard, implementations)

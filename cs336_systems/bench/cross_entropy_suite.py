@@ -1,0 +1,185 @@
+"""The `cross-entropy` suite: our fused LM head + cross-entropy against PyTorch's lm_head + cross_entropy.
+
+Each case times the loss and its gradients together: one forward and backward, with gradients for the
+hidden states and the head weight. The fused function forms dH and dW in its forward pass, so a
+forward-only time would not compare like with like. Each case also records the peak memory above its
+inputs.
+
+Providers:
+  fused     ours, `kernels.cross_entropy.lm_head_cross_entropy`: token chunks, the chunk's logits only,
+            one Triton softmax-gradient kernel per chunk on CUDA.
+  plain     `F.cross_entropy(h @ W^T in fp32, t)`: the whole (tokens, vocab) logits, upcast to fp32 as
+            cs336_basics does (fp64 stays fp64).
+  chunked   the leaderboard baseline's loss: the same per chunk, each chunk checkpointed, so its logits
+            are recomputed in backward.
+
+TFLOP/s counts the model's three GEMMs, logits, dH and dW, at 2 x tokens x vocab x d each, for every
+provider (chunked executes a fourth). Out-of-memory cases are result rows.
+
+    cs336-bench cross-entropy                              # the leaderboard's shape on CUDA, a small one on CPU
+    cs336-bench cross-entropy --tokens 8192,32768 --vocab 151936 --d-model 4096 --dtype bf16
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from cs336_systems.bench.baseline_lm import chunked_cross_entropy
+from cs336_systems.bench.common import (
+    DTYPES,
+    add_common_arguments,
+    error_message,
+    free_memory,
+    is_oom,
+    list_of,
+    positive_int,
+)
+from cs336_systems.bench.results import ResultStore, format_table
+from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
+from cs336_systems.profiling.timing import bench_kernel
+
+PROVIDERS = ("fused", "plain", "chunked")
+# The leaderboard's loss: one 32k sequence, Qwen-sized vocab, d_model 4096 (CUDA default); a CPU-sized one.
+CUDA_DEFAULT = dict(tokens=[32768], vocab=[151936], d_model=[4096], dtype=["bf16"])
+CPU_DEFAULT = dict(tokens=[512], vocab=[2048], d_model=[128], dtype=["fp32"])
+
+
+@dataclass(frozen=True)
+class LossCase:
+    provider: str
+    tokens: int
+    vocab: int
+    d_model: int
+    dtype: str
+    chunk_tokens: int
+
+
+def add_arguments(parser) -> None:
+    add_common_arguments(parser)
+    parser.add_argument("--tokens", type=list_of(positive_int("--tokens"), name="--tokens"), default=None,
+                        help="comma-separated token counts (default: 32768 on CUDA, 512 on CPU)")
+    parser.add_argument("--vocab", type=list_of(positive_int("--vocab"), name="--vocab"), default=None,
+                        help="comma-separated vocab sizes (default: 151936 on CUDA, 2048 on CPU)")
+    parser.add_argument("--d-model", type=list_of(positive_int("--d-model"), name="--d-model"), default=None,
+                        help="comma-separated hidden sizes (default: 4096 on CUDA, 128 on CPU)")
+    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=None,
+                        help="comma-separated from: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=list(PROVIDERS),
+                        help=f"comma-separated from: {', '.join(PROVIDERS)} (default: all)")
+    parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
+                        help="token chunk of the fused and the chunked losses (default 4096)")
+    parser.add_argument("--warmup-ms", type=float, default=100.0, help="do_bench warm-up time per case")
+    parser.add_argument("--rep-ms", type=float, default=1000.0, help="do_bench repetition time per case")
+
+
+def cases(args) -> list[LossCase]:
+    default = CUDA_DEFAULT if args.device.type == "cuda" else CPU_DEFAULT
+    axes = [args.provider, args.tokens or default["tokens"], args.vocab or default["vocab"],
+            args.d_model or default["d_model"], args.dtype or default["dtype"]]
+    return [LossCase(p, n, v, d, dt, args.chunk_tokens) for n, v, d, dt, p in
+            itertools.product(*axes[1:], axes[0])]
+
+
+def loss_fn(provider: str, chunk_tokens: int):
+    """(hidden (n, d), weight (vocab, d), targets (n,)) -> mean loss, by the named implementation."""
+    if provider == "fused":
+        return lambda h, w, t: lm_head_cross_entropy(h, w, t, chunk_tokens=chunk_tokens)
+    if provider == "plain":
+        return lambda h, w, t: F.cross_entropy((h @ w.T).to(torch.promote_types(h.dtype, torch.float32)), t)
+    if provider == "chunked":
+        return lambda h, w, t: chunked_cross_entropy(SimpleNamespace(head=lambda x: F.linear(x, w)), h[None],
+                                                     t[None], chunk=chunk_tokens)
+    raise ValueError(f"cross-entropy: provider must be one of {', '.join(PROVIDERS)}, got {provider!r}")
+
+
+def run(args) -> int:
+    store = ResultStore("cross-entropy", args.device, args.results_dir)
+    for case in tqdm(cases(args), desc="cross-entropy", disable=args.no_progress):
+        _run_case(case, args, store)
+    _print_table(store, args)
+    return 0
+
+
+def _run_case(case: LossCase, args, store: ResultStore) -> None:
+    device = args.device
+    config = {k: v for k, v in asdict(case).items() if k != "provider"}
+    free_memory(device)
+    try:
+        generator = torch.Generator(device).manual_seed(0)
+        dtype = DTYPES[case.dtype]
+        hidden = torch.randn(case.tokens, case.d_model, device=device, dtype=dtype, generator=generator)
+        weight = (torch.randn(case.vocab, case.d_model, device=device, dtype=dtype, generator=generator)
+                  / case.d_model ** 0.5)
+        hidden.requires_grad_(True)
+        weight.requires_grad_(True)
+        targets = torch.randint(0, case.vocab, (case.tokens,), device=device, generator=generator)
+        loss = loss_fn(case.provider, case.chunk_tokens)
+
+        def step():
+            loss(hidden, weight, targets).backward()
+
+        peak = _peak_above_inputs(step, device, [hidden, weight])
+        timing = bench_kernel(step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                              grad_to_none=[hidden, weight])
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        store.add(provider=case.provider, config=config, metric="time", unit="ms", status="oom",
+                  message=error_message(error))
+        return
+    finally:
+        hidden = weight = targets = None
+        free_memory(device)
+    store.add(provider=case.provider, config=config, metric="time", unit="ms", stats=timing.stats())
+    flops = 3 * 2.0 * case.tokens * case.vocab * case.d_model
+    store.add(provider=case.provider, config=config, metric="tflops", unit="TFLOP/s",
+              value=flops / timing.median / 1e12)
+    if peak is not None:
+        store.add(provider=case.provider, config=config, metric="peak_above_inputs", unit="GiB", value=peak / 2**30)
+
+
+def _peak_above_inputs(step, device: torch.device, inputs: list[torch.Tensor]) -> int | None:
+    """Bytes allocated at the peak of one step beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        step()
+        return None
+    for t in inputs:
+        t.grad = None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def _print_table(store: ResultStore, args) -> None:
+    frame = store.frame()
+    if frame.empty:
+        return
+    keys = ["tokens", "vocab", "d_model", "dtype"]
+    times = frame[frame["metric"] == "time"].copy()
+    times["cell"] = [f"{m:.2f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])]
+    table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
+    ok = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
+    wide = ok.pivot_table(index=keys, columns="provider", values="median", aggfunc="last")
+    extra = {}
+    for base in ("plain", "chunked"):
+        if "fused" in wide and base in wide:
+            extra[f"fused speed-up vs {base}"] = (wide[base] / wide["fused"]).round(2)
+    memory = frame[frame["metric"] == "peak_above_inputs"]
+    if not memory.empty:
+        peaks = memory.pivot_table(index=keys, columns="provider", values="median", aggfunc="last")
+        extra.update({f"{provider} peak GiB": peaks[provider].round(2) for provider in peaks.columns})
+    if extra:
+        table = table.merge(pd.DataFrame(extra).reset_index(), on=keys, how="left")
+    print("median ms per loss + gradients")
+    print(format_table(table, "latex" if args.latex else "markdown"))
+    print(f"\nrows appended to {store.path}")

@@ -158,9 +158,9 @@ run_stage() {
         --results-dir "$R" 2>&1 | tail -8
       ;;
     leaderboard-rope)
-      # Our Triton RoPE on top (opt-in until this run): ours with and without it, back to back.
-      python3 -m cs336_systems.bench leaderboard --provider ours --warmup-ms 2000 --rep-ms 30000 --results-dir "$R" \
-        2>&1 | tail -6
+      # Our Triton RoPE (the default with --fused on): ours without and with it, back to back.
+      python3 -m cs336_systems.bench leaderboard --provider ours --no-fused-rope --warmup-ms 2000 --rep-ms 30000 \
+        --results-dir "$R" 2>&1 | tail -6
       python3 -m cs336_systems.bench leaderboard --provider ours --fused-rope --warmup-ms 2000 --rep-ms 30000 \
         --results-dir "$R" 2>&1 | tail -6
       ;;

@@ -398,3 +398,22 @@ def test_backward_through_tensor_descriptors_matches(shape, causal):
         grads[use_tma] = finish()
     for plain, tma in zip(grads[False], grads[True]):
         torch.testing.assert_close(tma, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_precompile_lists_what_the_autotuner_would_try():
+    """The warm-up compiles, per kernel, exactly the candidates the autotuner keeps after its pruning; with no
+    CUDA device it does nothing (the interpreter compiles nothing)."""
+    from cs336_systems.kernels.flash_attention.warmup import _candidates, _launches, precompile
+
+    device = kernel_device()
+    launches = _launches(32, torch.float32, True, device=device)
+    assert set(launches) == {"forward", "dkdv", "dq", "fused"}
+    for name, launch in launches.items():
+        tuner = launch.kernel
+        tuner.nargs = dict(zip(tuner.arg_names, launch.args))
+        try:
+            assert _candidates(launch) == tuner.prune_configs(launch.flags), name
+        finally:
+            tuner.nargs = None
+    if device == "cpu":
+        assert precompile([(32, torch.float32, True)], workers=2) == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=None,
                         help=f"comma-separated from: {', '.join(PROVIDERS)} (default: the sweep's)")
     parser.add_argument("--pass", dest="passes", type=list_of(str, PASSES, "--pass"), default=list(PASSES))
+    parser.add_argument("--precompile-workers", type=int, default=min(12, os.cpu_count() or 1),
+                        help="processes that compile our kernels' autotune candidates before the first case "
+                             "(CUDA; 0: the autotuner compiles them in the first case, one by one)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time per measurement")
     parser.add_argument("--plot", default=None, help="write a TFLOP/s-vs-sequence plot of this run to this PNG")
@@ -165,6 +169,13 @@ def run(args) -> int:
     device: torch.device = args.device
     all_cases = cases(args)
     store = ResultStore("attention", device, args.results_dir)
+    if device.type == "cuda":
+        from cs336_systems.kernels.flash_attention.warmup import precompile
+
+        combos = {(c.d, DTYPES[c.dtype], c.causal) for c in all_cases if c.provider.startswith("triton")}
+        failures = precompile(combos, args.precompile_workers)
+        if failures:
+            print(f"precompile: {len(failures)} candidate configs left to the autotuner, e.g. {failures[0]}")
     for case in tqdm(all_cases, desc=f"attention ({args.sweep})", disable=args.no_progress):
         _run_case(case, args, store)
     _print_table(store, args)

@@ -55,10 +55,11 @@ run_stage() {
       run_stage attention-handout
       ;;
     attention-flash)
-      # FLASH_D: the head dims to run, one per call: at d 16 the sweep took 5 min to reach seq 1024 (the tiled
-      # PyTorch reference and the fp32 autotune dominate), so all four do not fit in one 10-minute call.
+      # FLASH_D / FLASH_DTYPE / FLASH_SEQ narrow it (comma lists): one head dim in both dtypes takes about
+      # 9 min (d 32: bf16 3.2 min; fp32's first case alone 162 s, mostly compiles, before --precompile-workers),
+      # so all four do not fit in one 10-minute call.
       python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" \
-        --dtype "${FLASH_DTYPE:-bf16,fp32}" --rep-ms 40 --no-progress \
+        --dtype "${FLASH_DTYPE:-bf16,fp32}" ${FLASH_SEQ:+--seq "$FLASH_SEQ"} --rep-ms 40 --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       ;;

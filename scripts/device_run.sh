@@ -45,8 +45,7 @@ run_stage() {
       ;;
     attention-tune)
       # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).
-      # ATTN_TUNE_KERNELS / ATTN_TUNE_SHAPES narrow it, e.g. the dP-early experiment at the 8B step's shape:
-      #   ATTN_TUNE_KERNELS=dkdv,dkdv-overlap,dq,dq-overlap ATTN_TUNE_SHAPES=1x32x32768x128
+      # ATTN_TUNE_KERNELS / ATTN_TUNE_SHAPES narrow it, e.g. ATTN_TUNE_KERNELS=dkdv,dq ATTN_TUNE_SHAPES=1x32x32768x128
       python3 -m cs336_systems.bench attention-tune --kernel "${ATTN_TUNE_KERNELS:-forward,forward-tma,dkdv,dkdv-tma,dq,dq-tma}" \
         --shape "${ATTN_TUNE_SHAPES:-1x32x32768x128,4x32x16384x64}" --no-progress --results-dir "$R" 2>&1 | tail -45
       ;;

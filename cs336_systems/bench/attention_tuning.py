@@ -38,16 +38,14 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dkdv-overlap", "dq", "dq-tma", "dq-overlap", "fused",
-           "fused-atomic")
+KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
-# their inner loops' tiles through descriptors; `dkdv-overlap` / `dq-overlap` the passes with dP's product
-# issued before the exponentials (`function.BACKWARD_OVERLAP`).
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dkdv-overlap": 2.0,
-                      "dq": 1.5, "dq-tma": 1.5, "dq-overlap": 1.5, "fused": 2.5, "fused-atomic": 2.5}
+# their inner loops' tiles through descriptors.
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
+                      "fused": 2.5, "fused-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -61,8 +59,6 @@ TILES["fused-atomic"] = TILES["fused"]
 TILES["forward-tma"] = TILES["forward"]
 TILES["dkdv-tma"] = TILES["dkdv"]
 TILES["dq-tma"] = TILES["dq"]
-TILES["dkdv-overlap"] = TILES["dkdv"]
-TILES["dq-overlap"] = TILES["dq"]
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
@@ -125,11 +121,9 @@ def _launches(inputs, causal: bool) -> dict:
     for write_delta in (preprocess, tma_preprocess, fused_preprocess):  # D, read by each set's kernels
         write_delta()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
-    dkdv_overlap, dq_overlap = (dataclasses.replace(launch, flags=launch.flags | dict(OVERLAP=True))
-                                for launch in (dkdv, dq))
     return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
                 **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
-                   "dq-tma": dq_tma, "dkdv-overlap": dkdv_overlap, "dq-overlap": dq_overlap})
+                   "dq-tma": dq_tma})
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:

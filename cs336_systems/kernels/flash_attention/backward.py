@@ -61,7 +61,7 @@ def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, strid
 def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
                       qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False):
+                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV; with DQ_REDUCE,
     also add this key tile's share of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA
     descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1).
@@ -80,17 +80,12 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
         else:
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
-        sT = tl.dot(k, qT, input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        if OVERLAP:
-            # dP^T's product issued before the exponentials need S^T: the tensor cores can run it while the
-            # exp2 units work (Hopper's MMA is asynchronous; the wait comes at a result's first use).
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        pT = tl.math.exp2(sT * qk_scale - lse[None, :] * 1.4426950408889634)  # scores in log2 units
+        sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        if not OVERLAP:
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
         if DQ_REDUCE != 0:
@@ -109,7 +104,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False):
+                  PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. kT_block and vT_block
     come from `tiles.operand_tiles` (K and V transposed)."""
     if not USE_TMA:
@@ -118,18 +113,15 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
-        s = tl.dot(q, kT, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N)
-        if OVERLAP:  # dP's product issued before the exponentials (as in the dK/dV pass)
-            dp = tl.dot(do, vT, input_precision=PRECISION)
-        p = tl.math.exp2(s * qk_scale - lse[:, None] * 1.4426950408889634)  # scores in log2 units
+        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             keep = offs_n[None, :] < n_keys
             if IS_CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        if not OVERLAP:
-            dp = tl.dot(do, vT, input_precision=PRECISION)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
         if not USE_TMA:
@@ -195,7 +187,7 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False):
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     n0 = tl.program_id(0) * BLOCK_N
@@ -233,17 +225,17 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         diagonal_end = tl.minimum(n0 + BLOCK_N, n_queries)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, n0, diagonal_end,
                                    n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M,
-                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, OVERLAP)
+                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
         unmasked_start = n0 + BLOCK_N
     else:
         unmasked_start = 0
     unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
                                full_query_tiles_end, n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL,
-                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, OVERLAP)
+                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
                                n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
-                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, OVERLAP)
+                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
@@ -278,7 +270,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_TMA: tl.constexpr = False, OVERLAP: tl.constexpr = False):
+                    USE_TMA: tl.constexpr = False):
     n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
     query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -309,9 +301,9 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
-                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA, OVERLAP)
+                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
-                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA, OVERLAP)
+                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq_block = tl.make_block_ptr(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
                                  shape=(n_queries, head_dim), strides=(stride_dqn, stride_dqd), offsets=(m0, 0),
                                  block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))

@@ -198,20 +198,13 @@ def _attention_forward(q, k, v, is_causal: bool):
     return flash_forward(q, k, v, is_causal)
 
 
-# Issue dP's product before the exponentials in both backward passes (`backward._dkdv_query_tiles`). Off
-# until `cs336-bench attention-tune --kernel dkdv,dkdv-overlap,dq,dq-overlap` measures it on the GPU.
-BACKWARD_OVERLAP = False
-
-
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
-                      overlap: bool | None = None):
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
     and finish() scales and casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
     (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
-    `attention-tune`, kernels dkdv-tma and dq-tma). overlap: dP's product issued ahead of the
-    exponentials (None: `BACKWARD_OVERLAP`; kernels dkdv-overlap and dq-overlap in `attention-tune`).
+    `attention-tune`, kernels dkdv-tma and dq-tma).
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -232,8 +225,7 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
-    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision,
-                 OVERLAP=BACKWARD_OVERLAP if overlap is None else bool(overlap))
+    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if use_tma and tma_eligible(q4, k4, v4, do4):
         _install_descriptor_allocator(q.device)
         flags["USE_TMA"] = True

@@ -1,0 +1,129 @@
+"""How the FlashAttention kernels' inner loops are scheduled on Hopper, read from the PTX (no GPU needed).
+
+Compiles the forward, dK/dV and dQ kernels for sm_90 ahead of time, with the specialisation the JIT gives
+real launches: unit strides along d become constants, and pointers, sizes and other strides are marked
+divisible by 16. Without that, no load is pipelined. For each config it prints:
+  * shared memory, and the pipelined loads: cp.async (block pointers) or cp.async.bulk (TMA);
+  * the schedule of the unrolled loop bodies. Wn is a group of n wgmma instructions, |k a
+    `wgmma.wait_group k` (k = 0: wait for everything in flight), en a run of n ex2 instructions.
+For example `W8|0e32W12|0W4|0` is the dK/dV step at d 128, 64 x 64 tiles: S^T is waited for, then the
+exponentials run, then dV and dP^T are issued together and waited for, then dK is issued and waited for.
+
+    python scripts/flash_ptx_schedule.py                      # the shipped first configs, d 128, bf16, causal
+    python scripts/flash_ptx_schedule.py --kernel dq --config 128x64x8x3,64x64x4x3 --d 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even where the tests set the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from cs336_systems.kernels.flash_attention import backward, forward  # noqa: E402
+
+DTYPES = {"bf16": "*bf16", "fp16": "*fp16"}
+SCALARS = ("qk_scale", "sm_scale")
+NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
+
+
+def kernels(dtype: str) -> dict:
+    """name -> (JITFunction, pointer types, extra constexprs, shipped first config)."""
+    t = DTYPES[dtype]
+    return {
+        "forward": (forward.flash_forward_kernel.fn, {n: t for n in ("Q", "K", "V", "O")} | {"L": "*fp32"}, {},
+                    (128, 128, 8, 3)),
+        "dkdv": (backward._dkdv_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
+                 | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"}, {"DQ_REDUCE": 0}, (64, 64, 4, 2)),
+        "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
+               | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
+    }
+
+
+def source(fn, pointers: dict, constexprs: dict) -> ASTSource:
+    constexprs = dict(constexprs)
+    for name in fn.arg_names:
+        if name.startswith("stride_") and name.endswith("d"):
+            constexprs[name] = 1  # the JIT specialises an argument equal to 1 into a constant
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in SCALARS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name not in NOT_ALIGNED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def schedule(ptx: str) -> str:
+    events = []
+    for line in ptx.splitlines():
+        if "wgmma.mma_async" in line:
+            events.append("W")
+        elif "ex2.approx" in line:
+            events.append("e")
+        elif "wgmma.wait_group" in line:
+            events.append("|" + line.split()[-1].rstrip(";"))
+    text = "".join(events)
+    text = re.sub(r"W+", lambda m: f"W{len(m.group(0))}", text)
+    return re.sub(r"e+", lambda m: f"e{len(m.group(0))}", text)
+
+
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    try:
+        config = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        config = ()
+    if len(config) != 4:
+        raise argparse.ArgumentTypeError(f"--config: got {text!r}; expected BLOCK_MxBLOCK_NxWARPSxSTAGES")
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--kernel", default="forward,dkdv,dq", help="comma-separated from: forward, dkdv, dq")
+    parser.add_argument("--config", type=lambda s: [parse_config(c) for c in s.split(",")], default=None,
+                        help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES (default: each kernel's first)")
+    parser.add_argument("--d", type=int, default=128, choices=(16, 32, 64, 128, 256), help="head dim")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--causal", choices=("on", "off"), default="on")
+    parser.add_argument("--tma", action="store_true", help="the tensor-descriptor variants")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90, Hopper)")
+    args = parser.parse_args()
+    table = kernels(args.dtype)
+    names = [k.strip() for k in args.kernel.split(",")]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        parser.error(f"--kernel: got {', '.join(unknown)}; allowed: {', '.join(table)}")
+    target = GPUTarget("cuda", args.arch, 32)
+    for name in names:
+        fn, pointers, extra, shipped = table[name]
+        for bm, bn, warps, stages in args.config or [shipped]:
+            constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION="tf32",
+                              BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
+            try:
+                compiled = triton.compile(source(fn, pointers, constexprs), target=target,
+                                          options=dict(num_warps=warps, num_stages=stages))
+            except Exception as error:  # e.g. out of shared memory
+                print(f"{name:8} {bm}x{bn} w{warps} s{stages}: does not compile ({type(error).__name__})")
+                continue
+            ptx = compiled.asm["ptx"]
+            print(f"{name:8} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
+                  f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
+                  f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}; {schedule(ptx)[:160]}")
+
+
+if __name__ == "__main__":
+    main()

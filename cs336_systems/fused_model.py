@@ -2,7 +2,7 @@
 
 `apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
 of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate; with `rope=True` also every
-`RotaryEmbedding` to the fused RoPE (opt-in until its GPU timing is measured). Every `Linear` runs
+`RotaryEmbedding` to the fused RoPE (the leaderboard's default with its fused kernels). Every `Linear` runs
 as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in the
 weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight
 gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). Parameters, names and the

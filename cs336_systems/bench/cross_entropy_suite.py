@@ -160,26 +160,31 @@ def _peak_above_inputs(step, device: torch.device, inputs: list[torch.Tensor]) -
     return torch.cuda.max_memory_allocated(device) - before
 
 
+CASE_KEYS = ["tokens", "vocab", "d_model", "dtype"]
+
+
+def summary_table(frame: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
+    """One row per shape: each provider's median ms (or its status), fused's speed-up over the others, each
+    provider's peak GiB above the inputs and TFLOP/s. Used by the printed table and the report."""
+    times = frame[frame["metric"] == "time"]
+    cells = times.assign(cell=[f"{m:.{digits}f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])])
+    table = cells.pivot_table(index=CASE_KEYS, columns="provider", values="cell", aggfunc="last")
+    table.columns = [f"{c} ms" for c in table.columns]
+    ok = times[times["status"] == "ok"].pivot_table(index=CASE_KEYS, columns="provider", values="median")
+    for base in ("plain", "chunked"):
+        if {"fused", base} <= set(ok.columns):
+            table[f"fused speed-up vs {base}"] = (ok[base] / ok["fused"]).round(2)
+    for metric, label, rounding in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 0)):
+        part = frame[frame["metric"] == metric].pivot_table(index=CASE_KEYS, columns="provider", values="median")
+        for provider in part.columns:
+            table[f"{provider} {label}"] = part[provider].round(rounding)
+    return table.reset_index()
+
+
 def _print_table(store: ResultStore, args) -> None:
     frame = store.frame()
     if frame.empty:
         return
-    keys = ["tokens", "vocab", "d_model", "dtype"]
-    times = frame[frame["metric"] == "time"].copy()
-    times["cell"] = [f"{m:.2f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])]
-    table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
-    ok = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
-    wide = ok.pivot_table(index=keys, columns="provider", values="median", aggfunc="last")
-    extra = {}
-    for base in ("plain", "chunked"):
-        if "fused" in wide and base in wide:
-            extra[f"fused speed-up vs {base}"] = (wide[base] / wide["fused"]).round(2)
-    memory = frame[frame["metric"] == "peak_above_inputs"]
-    if not memory.empty:
-        peaks = memory.pivot_table(index=keys, columns="provider", values="median", aggfunc="last")
-        extra.update({f"{provider} peak GiB": peaks[provider].round(2) for provider in peaks.columns})
-    if extra:
-        table = table.merge(pd.DataFrame(extra).reset_index(), on=keys, how="left")
     print("median ms per loss + gradients")
-    print(format_table(table, "latex" if args.latex else "markdown"))
+    print(format_table(summary_table(frame), "latex" if args.latex else "markdown"))
     print(f"\nrows appended to {store.path}")

@@ -80,6 +80,7 @@ from cs336_systems.profiling.ranges import PhaseRanges
 from cs336_systems.profiling.timing import bench_kernel, time_fn
 
 PROVIDERS = ("ours", "baseline")
+PHASES = ("forward", "loss", "backward", "sync", "optimizer")  # the step's named ranges, in order
 # Of the free memory at start: the allocator's fragmentation and the CUDA context need the rest. 0.95 ran the 8B
 # step at a 133.0 GiB peak on the H200 (predicted 131.2); an out-of-memory falls back to the next policy.
 FIT_FRACTION = 0.95
@@ -305,9 +306,6 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
     if args.profile:
         _profile(store, provider, config, device, build_step)
     return summary
-
-
-PHASES = ("forward", "loss", "backward", "sync", "optimizer")
 
 
 def _profile(store, provider, config, device, build_step, steps: int = 1) -> None:

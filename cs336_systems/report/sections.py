@@ -100,7 +100,7 @@ def _ours_vs_baseline(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
 def benchmarking_script(doc: Document, r: Results) -> None:
     doc.add(Heading("benchmarking_script: forward, backward and training-step timings"))
     model = _eager_reference_rows(r.frame("model"))
-    eager = model[(model["compile"] == False) & (model["dtype"] == "fp32")] if not model.empty else model  # noqa: E712
+    eager = model[(_col(model, "compile") == False) & (_col(model, "dtype") == "fp32")]  # noqa: E712
     if eager.empty:
         return r.note_missing(doc, "benchmarking_script", "eager fp32 model-suite rows (GPU)")
     table = _ours_vs_baseline(eager, ["preset", "mode"])
@@ -445,8 +445,7 @@ def torch_compile_model(doc: Document, r: Results) -> None:
 def fused_model_path(doc: Document, r: Results) -> None:
     doc.add(Heading("Our kernels in the model: Triton attention, fused RMSNorm/SwiGLU, fused AdamW"))
     model = r.frame("model")
-    rows = model[(model["metric"] == "time") & (_col(model, "fused", False).fillna(False) == True)] \
-        if not model.empty else model  # noqa: E712
+    rows = model[(_col(model, "metric") == "time") & (_col(model, "fused", False).fillna(False) == True)]  # noqa: E712
     if rows.empty:
         return r.note_missing(doc, "fused model path", "model-suite rows with --fused (GPU)")
     base = model[(model["metric"] == "time") & model["run_id"].isin(rows["run_id"]) & (model["provider"] == "baseline")]
@@ -464,30 +463,21 @@ def fused_cross_entropy(doc: Document, r: Results) -> None:
     """Issue 7's loss benchmark: our fused LM head + cross-entropy against lm_head + cross_entropy."""
     doc.add(Heading("Fused LM head + cross-entropy"))
     frame = r.frame("cross-entropy")
-    rows = frame[frame["device"] == "cuda"] if not frame.empty else frame
+    rows = frame[_col(frame, "device") == "cuda"]
     if rows.empty:
         return r.note_missing(doc, "fused cross-entropy", "`cs336-bench cross-entropy` rows (`bash "
                               "scripts/device_run.sh cross-entropy`, GPU)")
-    keys = ["tokens", "vocab", "d_model", "dtype"]
-    rows = latest(rows, ["provider", *keys, "metric"])
+    from cs336_systems.bench.cross_entropy_suite import CASE_KEYS, summary_table
+
+    rows = latest(rows, ["provider", *CASE_KEYS, "metric"])
     times = rows[rows["metric"] == "time"]
-    cells = times.assign(cell=[f"{m:.1f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])])
-    table = cells.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last")
-    table.columns = [f"{c} ms" for c in table.columns]
-    ok = times[times["status"] == "ok"].pivot_table(index=keys, columns="provider", values="median")
-    for base in ("plain", "chunked"):
-        if {"fused", base} <= set(ok.columns):
-            table[f"fused speed-up vs {base}"] = (ok[base] / ok["fused"]).round(2)
-    for metric, label, digits in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 0)):
-        part = rows[rows["metric"] == metric].pivot_table(index=keys, columns="provider", values="median")
-        for provider in part.columns:
-            table[f"{provider} {label}"] = part[provider].round(digits)
+    table = summary_table(rows, digits=1)
     doc.add(Paragraph("`cs336-bench cross-entropy`: the loss and its gradients for the hidden states and the head "
                       "weight, one forward and backward, timed by do_bench. fused is ours; plain is "
                       "F.cross_entropy on the whole fp32-upcast logits; chunked is the leaderboard baseline's loss "
                       "(4096-token chunks, each checkpointed). TFLOP/s counts the three GEMMs (logits, dH, dW) "
                       "for every provider; peak is the memory allocated above the inputs. " + environment(times)))
-    doc.add(Table(table.reset_index(), "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
+    doc.add(Table(table, "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
 
 
 def leaderboard(doc: Document, r: Results) -> None:

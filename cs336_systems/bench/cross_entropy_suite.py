@@ -174,7 +174,7 @@ def summary_table(frame: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
     for base in ("plain", "chunked"):
         if {"fused", base} <= set(ok.columns):
             table[f"fused speed-up vs {base}"] = (ok[base] / ok["fused"]).round(2)
-    for metric, label, rounding in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 0)):
+    for metric, label, rounding in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 1)):
         part = frame[frame["metric"] == metric].pivot_table(index=CASE_KEYS, columns="provider", values="median")
         for provider in part.columns:
             table[f"{provider} {label}"] = part[provider].round(rounding)

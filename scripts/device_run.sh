@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-gluon, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -73,6 +73,11 @@ run_stage() {
       # Every test but the multi-process ones (those run on gloo in CI), GPU tests included.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 12 -p no:cacheprovider -m "not distributed" tests 2>&1 \
         | tee "$OUT/tests_all.log" | tail -30
+      ;;
+    tests-gluon)
+      # The Gluon backward passes against the fp64 reference and the tl passes, and the full GPU matrix.
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        -k "gluon or full_matrix or layout or strided or every_output or linear" 2>&1 | tee "$OUT/tests_gluon.log" | tail -25
       ;;
     tests-fused)
       python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels_rmsnorm_swiglu.py tests/test_memory_model.py \

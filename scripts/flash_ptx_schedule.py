@@ -24,8 +24,9 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even where the tes
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from cs336_systems.kernels.flash_attention import backward, forward  # noqa: E402
+from cs336_systems.kernels.flash_attention import backward, forward, hopper_backward  # noqa: E402
 
 DTYPES = {"bf16": "*bf16", "fp16": "*fp16"}
 SCALARS = ("qk_scale", "sm_scale")
@@ -42,10 +43,15 @@ def kernels(dtype: str) -> dict:
                  | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"}, {"DQ_REDUCE": 0}, (64, 64, 4, 2)),
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
+        # The Gluon passes (hopper_backward.py): shipped configs at d 128.
+        "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
+                       | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DKDV_CONFIG[128]),
+        "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
+                     | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DQ_CONFIG[128]),
     }
 
 
-def source(fn, pointers: dict, constexprs: dict) -> ASTSource:
+def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:
     constexprs = dict(constexprs)
     for name in fn.arg_names:
         if name.startswith("stride_") and name.endswith("d"):
@@ -63,7 +69,7 @@ def source(fn, pointers: dict, constexprs: dict) -> ASTSource:
             signature[name] = "i32"
             if name not in NOT_ALIGNED:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return (GluonASTSource if gluon else ASTSource)(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
 def schedule(ptx: str) -> str:
@@ -93,7 +99,8 @@ def parse_config(text: str) -> tuple[int, int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--kernel", default="forward,dkdv,dq", help="comma-separated from: forward, dkdv, dq")
+    parser.add_argument("--kernel", default="forward,dkdv,dq,dkdv-gluon,dq-gluon",
+                        help="comma-separated from: forward, dkdv, dq, dkdv-gluon, dq-gluon")
     parser.add_argument("--config", type=lambda s: [parse_config(c) for c in s.split(",")], default=None,
                         help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES (default: each kernel's first)")
     parser.add_argument("--d", type=int, default=128, choices=(16, 32, 64, 128, 256), help="head dim")
@@ -111,16 +118,20 @@ def main() -> None:
     for name in names:
         fn, pointers, extra, shipped = table[name]
         for bm, bn, warps, stages in args.config or [shipped]:
-            constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION="tf32",
-                              BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
+            gluon = name.endswith("-gluon")
+            if gluon:  # pipelining is written out in the kernel: STAGES is its ring of buffers
+                constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages)
+            else:
+                constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION="tf32",
+                                  BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
             try:
-                compiled = triton.compile(source(fn, pointers, constexprs), target=target,
-                                          options=dict(num_warps=warps, num_stages=stages))
+                compiled = triton.compile(source(fn, pointers, constexprs, gluon), target=target,
+                                          options=dict(num_warps=warps, num_stages=1 if gluon else stages))
             except Exception as error:  # e.g. out of shared memory
-                print(f"{name:8} {bm}x{bn} w{warps} s{stages}: does not compile ({type(error).__name__})")
+                print(f"{name:10} {bm}x{bn} w{warps} s{stages}: does not compile ({type(error).__name__})")
                 continue
             ptx = compiled.asm["ptx"]
-            print(f"{name:8} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
+            print(f"{name:10} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
                   f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
                   f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}; {schedule(ptx)[:160]}")
 

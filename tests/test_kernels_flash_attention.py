@@ -220,7 +220,7 @@ def test_triton_rejects_too_large_head_dim():
 def test_unknown_backward_impl():
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    with pytest.raises(ValueError, match="backward must be one of triton, fused, compile"):
+    with pytest.raises(ValueError, match="backward must be one of triton, tl, fused, compile"):
         flash_attention(torch.randn(1, 4, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16), backward="magic")
 
 
@@ -408,3 +408,86 @@ def test_ptx_schedule_script_compiles_for_hopper_with_pipelined_loads():
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("dq") and int(re.search(r"cp\.async (\d+)", line).group(1)) > 0
     assert re.search(r"W\d+\|\d", line) and re.search(r"e\d+", line), line  # products, waits, exponentials
+
+
+# ---- The Gluon backward passes (Hopper only) ----
+
+requires_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                     reason="the Gluon passes run on Hopper (sm_90)")
+# Ragged lengths (TMA zero-fill and clipped stores), n_queries != n_keys both ways, a single query row,
+# 3-D input, and lengths shorter than one tile.
+GLUON_SHAPES = [(1, 2, 256, 256, 128), (2, 3, 1000, 1000, 64), (1, 2, 513, 257, 128), (1, 1, 77, 300, 64),
+                (2, None, 130, 130, 128), (1, 1, 1, 130, 64), (1, 2, 40, 40, 128)]
+
+
+def test_gluon_passes_only_where_eligible():
+    from cs336_systems.kernels.flash_attention.hopper_backward import eligible
+
+    assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        good = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
+        head_view = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+        assert eligible(good) and eligible(head_view)
+        assert not eligible(good.float())  # fp32 takes the tl passes
+        assert not eligible(good[..., :80])  # head dim 80
+        assert not eligible(good[..., :96].transpose(-1, -2)[..., :64])  # d not unit-stride
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_gluon_backward_matches_reference(shape, causal, dtype):
+    from cs336_systems.kernels.flash_attention import function
+    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
+
+    b, h, n, m, d = shape
+    probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
+    out, lse = function.flash_forward(*probe, causal)
+    _, dkdv, dq, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal)
+    assert isinstance(dkdv, GluonPass) and isinstance(dq, GluonPass)  # the default path takes them
+    _check_against_reference(_triton_fn(), shape, causal, dtype, "cuda")
+
+
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_backward_agrees_with_tl_passes_on_the_models_head_views(causal):
+    """The model's head split (strided 4-D views of (batch, seq, heads x d)); both implementations within
+    a few bf16 ulps of each other, and dK/dV/dQ in the inputs' layout."""
+    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+
+    torch.manual_seed(2)
+    batch, seq, heads, d = 2, 700, 4, 128
+    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
+                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    out, lse = flash_forward(q, k, v, causal)
+    grads = {}
+    for gluon in (False, True):
+        preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, causal, gluon=gluon)
+        preprocess()
+        dkdv()
+        dq_pass()
+        grads[gluon] = finish()
+    for name, tl_grad, gluon_grad in zip(("dq", "dk", "dv"), grads[False], grads[True]):
+        assert gluon_grad.stride() == tl_grad.stride() == q.stride(), name
+        scale = tl_grad.float().abs().max().item()
+        assert (gluon_grad.float() - tl_grad.float()).abs().max().item() <= 2 ** -6 * scale, name
+
+
+def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
+    """The point of the Gluon passes, checked from their PTX on any machine: the waits leave one product in
+    flight (`wgmma.wait_group 1`), where the `tl` passes wait for everything (`wgmma.wait_group 0`)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "flash_ptx_schedule.py"
+    done = subprocess.run([sys.executable, str(script), "--kernel", "dkdv-gluon,dq-gluon,dkdv", "--d", "64"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
+    for name in ("dkdv-gluon", "dq-gluon"):
+        assert int(re.search(r"TMA (\d+)", lines[name]).group(1)) > 0, lines[name]
+        assert "|1" in lines[name], lines[name]
+    assert "|1" not in lines["dkdv"], lines["dkdv"]

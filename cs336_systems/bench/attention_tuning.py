@@ -38,14 +38,16 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic")
+KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon",
+           "dq-gluon")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
-# their inner loops' tiles through descriptors.
+# their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper passes with asynchronous
+# products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
-                      "fused": 2.5, "fused-atomic": 2.5}
+                      "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dq-gluon": 1.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -59,11 +61,20 @@ TILES["fused-atomic"] = TILES["fused"]
 TILES["forward-tma"] = TILES["forward"]
 TILES["dkdv-tma"] = TILES["dkdv"]
 TILES["dq-tma"] = TILES["dq"]
+# The Gluon passes take 16 rows of their outer tile per warp (one warpgroup per 64 rows): the space is listed.
+GLUON_SPACE = {
+    "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+                   (32, 128, 8, 3)],
+    "dq-gluon": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
+                 (128, 128, 8, 2)],
+}
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
 
 def tuning_space(kernel: str) -> list[tuple[int, int, int, int]]:
     """(block_m, block_n, num_warps, num_stages) candidates for one kernel."""
+    if kernel in GLUON_SPACE:
+        return list(GLUON_SPACE[kernel])
     return [(bm, bn, w, s) for (bm, bn), w, s in itertools.product(TILES[kernel], WARPS, STAGES)]
 
 
@@ -111,19 +122,24 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
+    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
-    preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal)
+    preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)
+    gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
-    for write_delta in (preprocess, tma_preprocess, fused_preprocess):  # D, read by each set's kernels
+    for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess):  # D, read by each set
         write_delta()
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
-    return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
-                **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
-                   "dq-tma": dq_tma})
+    launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
+                    **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
+                       "dq-tma": dq_tma})
+    if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
+        launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon}
+    return launches
 
 
 def _compile_worker(shape, dtype_name: str, causal: bool, jobs: list) -> list[tuple]:
@@ -253,6 +269,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
                             best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
+                            best_gluon_bwd=best.get("dkdv-gluon", float("nan")) + best.get("dq-gluon", float("nan"))
+                            + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
                             shipped_fused_bwd=whole.get(("triton-fused-bwd", "bwd")),
                             cudnn_fwd=whole.get(("sdpa-cudnn", "fwd")), cudnn_bwd=whole.get(("sdpa-cudnn", "bwd")),

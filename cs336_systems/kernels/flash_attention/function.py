@@ -20,6 +20,7 @@ import triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels.flash_attention import hopper_backward
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_bwd_fused_kernel,
@@ -31,7 +32,7 @@ from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_k
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-BACKWARD_IMPLS = ("triton", "fused", "compile")
+BACKWARD_IMPLS = ("triton", "tl", "fused", "compile")
 
 
 def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -198,13 +199,16 @@ def _attention_forward(q, k, v, is_causal: bool):
     return flash_forward(q, k, v, is_causal)
 
 
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False):
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
+                      gluon: bool | None = None):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
     and finish() scales and casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
     (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
-    `attention-tune`, kernels dkdv-tma and dq-tma).
+    `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the two passes in Gluon with asynchronous
+    products (hopper_backward.py); None (default): wherever the inputs qualify (Hopper, fp16/bf16,
+    head dim 64 or 128, `hopper_backward.eligible`), False: the `tl` passes.
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -247,6 +251,11 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
         return preprocess, dkdv, None, finish
     dq = torch.empty_like(q)
     dq4 = _as_4d(dq)
+    if gluon is not False and not use_tma and hopper_backward.eligible(q4, k4, v4, do4, dq4, dk4, dv4):
+        _install_descriptor_allocator(q.device)
+        dkdv, dq_pass = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal,
+                                                        sm_scale)
+        return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
     dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                         flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
@@ -254,9 +263,10 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False):
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, gluon: bool | None = None):
     """Triton backward (two passes, or one with fused=True). Returns (dq, dk, dv) like the inputs."""
-    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, grad_out, is_causal, fused)
+    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, grad_out, is_causal, fused,
+                                                          gluon=gluon)
     preprocess()
     dkdv()
     if dq_pass is not None:
@@ -285,6 +295,16 @@ class FlashAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+class FlashAttentionTritonTl(FlashAttentionTriton):
+    """Triton forward; the two `tl` backward passes even where the Gluon ones would run (a comparison)."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=False)
+        return dq, dk, dv, None
+
+
 class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
     """Triton forward; backward as a torch.compile'd PyTorch function (the handout's first step)."""
 
@@ -306,10 +326,13 @@ class FlashAttentionTritonFused(FlashAttentionTriton):
 
 
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
-    """Our Triton FlashAttention-2. backward: "triton" (two deterministic passes), "fused" (one pass,
-    dQ reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
+    """Our Triton FlashAttention-2. backward: "triton" (two deterministic passes; in Gluon on Hopper where
+    the inputs qualify), "tl" (the same two passes in `tl` everywhere), "fused" (one pass, dQ reduced across
+    key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
     if backward == "triton":
         return FlashAttentionTriton.apply(q, k, v, is_causal)
+    if backward == "tl":
+        return FlashAttentionTritonTl.apply(q, k, v, is_causal)
     if backward == "fused":
         return FlashAttentionTritonFused.apply(q, k, v, is_causal)
     if backward == "compile":

@@ -1,0 +1,382 @@
+"""FlashAttention-2 backward on Hopper, in Gluon: the same two passes as backward.py, with the
+tensor-core products issued asynchronously so that the exponentials overlap a product.
+
+Why a second version: Triton 3.6's `tl.dot` pipeliner waits for every product whose result the loop
+body reads (`wgmma.wait_group 0` after S and after dP), so inside a warpgroup the exponentials and the
+tensor cores take turns (`scripts/flash_ptx_schedule.py`; notes/flash_attention.md, version 5).
+Gluon, Triton's lower-level language, exposes the same wgmma with explicit waits. Each inner step
+here (dK/dV pass; the dQ pass is the same with rows and columns swapped):
+
+    issue S^T = K Q^T and dP^T = V dO^T         two products in flight
+    wait until one is left                       S^T is ready; dP^T (and nothing older) still runs
+    P^T = exp2(S^T * scale - L)                  the exponentials overlap dP^T
+    issue dV += P^T dO
+    wait until one is left                       dP^T is ready; dV still runs
+    dS^T = P^T * (dP^T - D)                      overlaps dV
+    issue dK += dS^T Q                           runs into the next step's first products
+
+The Q/dO (K/V) tiles stream through a ring of STAGES shared-memory buffers filled by TMA (the copy
+engine) and signalled by mbarriers; a buffer is refilled once the wait above has retired the
+previous step's products that read it. L and D for the next step are loaded one step ahead.
+
+Scope: Hopper (sm_90), fp16/bf16, head dim 64 or 128, unit stride along d and 16-byte aligned
+strides; any sequence lengths (TMA reads rows past the end as zeros and clips stores; L = +inf there
+makes P = 0) and n_queries != n_keys. `eligible` says which inputs qualify; the rest take the
+`tl` kernels in backward.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.kernels._triton_utils import interpreting
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+HEAD_DIMS = (64, 128)
+
+# (BLOCK_M, BLOCK_N, warps, stages) per pass and head dim. The dK/dV pass keeps 64 keys per warpgroup;
+# the dQ pass 64 queries per warpgroup.
+DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+DQ_CONFIG = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
+
+
+def eligible(*tensors: torch.Tensor) -> bool:
+    """Whether these (batch, heads, seq, d) tensors can take the Gluon passes. CS336_FLASH_GLUON=0
+    turns them off (the `tl` passes then run everywhere)."""
+    if os.environ.get("CS336_FLASH_GLUON", "1") == "0" or interpreting():
+        return False
+    q = tensors[0]
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False  # wgmma is Hopper's; Blackwell has other tensor-core instructions
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
+        return False
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+@triton.constexpr_function
+def _tile_layout(element_bits):
+    # Rows of 64 or 128 elements of 16 bits are >= 128 bytes: the widest swizzle.
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=element_bits, rank=2)
+
+
+@gluon.jit
+def _row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor over one (batch, head)'s (n_rows, HEAD_DIM) matrix, in BLOCK_ROWS-row tiles."""
+    return tma.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                      block_shape=[BLOCK_ROWS, HEAD_DIM],
+                                      layout=_tile_layout(base.dtype.element_ty.primitive_bitwidth))
+
+
+@gluon.jit
+def _fill(bars, a_smem, b_smem, a_desc, b_desc, tile, slot, end_tile, BLOCK: gl.constexpr):
+    """Start copying row tile `tile` of two matrices into ring slot `slot` (nothing past end_tile)."""
+    pred = tile < end_tile
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [tile * BLOCK, 0], bar, a_smem.index(slot), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [tile * BLOCK, 0], bar, b_smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl.constexpr):
+    """L (in log2 units) and D of row tile `tile`; rows past n_rows get L = +inf (P = 0) and D = 0."""
+    offs = tile * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    inside = offs < n_rows
+    lse = gl.load(lse_row + offs, mask=inside, other=float("inf"))
+    delta = gl.load(delta_row + offs, mask=inside, other=0.0)
+    return lse * LOG2E, delta
+
+
+@gluon.jit
+def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc,
+                      lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
+                      qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                      STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Add query tiles [start_tile, end_tile) to one key tile's dK and dV."""
+    dtype: gl.constexpr = q_desc.dtype
+    BLOCK_N: gl.constexpr = k_smem.shape[0]
+    for tile in range(start_tile, end_tile):
+        step = tile - first_tile
+        slot = step % STAGES
+        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        q_tile = q_smem.index(slot)
+        do_tile = do_smem.index(slot)
+        zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        lse2, delta = _row_stats(lse_row, delta_row, tile, n_queries, BLOCK_M, gl.SliceLayout(0, s_layout))
+        sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+        # The previous step's dV and dK products have retired too: every warp is past them, so their
+        # slot can take the tile STAGES - 1 ahead.
+        gl.thread_barrier()
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES,
+              last_tile, BLOCK_M)
+        pT = gl.exp2(sT * qk_scale - lse2[None, :])
+        if MASKED and IS_CAUSAL:
+            offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+            pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
+        dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        dsT = pT * (dpT - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q_tile, dk, is_async=True)
+    return dk, dv
+
+
+@gluon.jit
+def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
+                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                            stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                            n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                            IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One program per (key tile, batch x head): dK and dV of BLOCK_N keys."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    n0 = gl.program_id(0) * BLOCK_N
+    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(bars.index(slot), count=1)
+
+    # Causal: the queries before this key tile see none of it (the early exit).
+    first_tile = n0 // BLOCK_M if IS_CAUSAL else 0
+    last_tile = gl.cdiv(n_queries, BLOCK_M)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    for ahead in gl.static_range(STAGES - 1):
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, first_tile + ahead, ahead, last_tile, BLOCK_M)
+
+    lse_row = L + batch_head.to(gl.int64) * n_queries
+    delta_row = Delta + batch_head.to(gl.int64) * n_queries
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    mbarrier.wait(kv_bar, 0)
+
+    # Loops as in backward.py: the diagonal tiles (masked), the tiles every key of the tile sees in
+    # full (no index comparisons), then the ragged last tile (masked).
+    full_tiles_end = n_queries // BLOCK_M
+    if IS_CAUSAL:
+        diagonal_end = gl.minimum((n0 + BLOCK_N) // BLOCK_M, last_tile)
+        dk, dv = _dkdv_query_tiles(
+            dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+            offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
+            BLOCK_M, STAGES, s_layout, op_layout)
+        unmasked_start = diagonal_end
+    else:
+        unmasked_start = 0
+    dk, dv = _dkdv_query_tiles(
+        dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
+        BLOCK_M, STAGES, s_layout, op_layout)
+    dk, dv = _dkdv_query_tiles(
+        dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
+        qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+
+    mbarrier.invalidate(kv_bar)
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(slot))
+    # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
+    gl.thread_barrier()
+    dk_desc = _row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_desc = _row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
+    k_smem.store((dk * sm_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    gl.thread_barrier()
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
+                  start_tile, end_tile, first_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Add key tiles [start_tile, end_tile) to one query tile's dQ."""
+    dtype: gl.constexpr = k_desc.dtype
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    for tile in range(start_tile, end_tile):
+        step = tile - first_tile
+        slot = step % STAGES
+        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        k_tile = k_smem.index(slot)
+        v_tile = v_smem.index(slot)
+        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
+        _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
+              BLOCK_N)
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:
+            offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            keep = offs_n[None, :] < n_keys
+            if IS_CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)
+    return dq
+
+
+@gluon.jit
+def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
+                          stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                          stride_dqb, stride_dqh, stride_dqn,
+                          n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                          IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One program per (query tile, batch x head): dQ of BLOCK_M queries."""
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
+    # Causal: the longest rows first, so the grid's tail is short.
+    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    m0 = query_tile * BLOCK_M
+    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(bars.index(slot), count=1)
+
+    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
+    last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem)
+    for ahead in gl.static_range(STAGES - 1):
+        _fill(bars, k_smem, v_smem, k_desc, v_desc, ahead, ahead, last_tile, BLOCK_N)
+
+    lse2, delta = _row_stats(L + batch_head.to(gl.int64) * n_queries, Delta + batch_head.to(gl.int64) * n_queries,
+                             query_tile, n_queries, BLOCK_M, gl.SliceLayout(1, s_layout))
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    mbarrier.wait(q_bar, 0)
+
+    full_tiles_end = n_keys // BLOCK_N
+    if IS_CAUSAL:
+        unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end)
+    else:
+        unmasked_end = full_tiles_end
+    dq = _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m, 0,
+                       unmasked_end, 0, last_tile, n_keys, qk_scale, False, IS_CAUSAL, BLOCK_N, STAGES, s_layout,
+                       op_layout)
+    dq = _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
+                       unmasked_end, last_tile, 0, last_tile, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, STAGES,
+                       s_layout, op_layout)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+
+    mbarrier.invalidate(q_bar)
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(slot))
+    gl.thread_barrier()
+    dq_desc = _row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
+    q_smem.store((dq * sm_scale).to(dtype))
+    gl.thread_barrier()
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [m0, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+
+@dataclass
+class GluonPass:
+    """One Gluon backward pass's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched
+    like backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants)."""
+
+    kernel: object
+    args: tuple
+    flags: dict
+    config: tuple[int, int, int, int]
+    grid: Callable[[int, int], tuple[int, int]]  # (BLOCK_M, BLOCK_N) -> grid
+
+    def __call__(self):
+        self.with_config(*self.config)()
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        def launch():
+            self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                     STAGES=num_stages, num_warps=num_warps)
+        return launch
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)  # (batch, head, row); d is unit-stride (`eligible`)
+
+
+def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float):
+    """(dK/dV pass, dQ pass) over (batch, heads, seq, d) tensors that are `eligible`; D must be written
+    (backward.py's preprocess) before they run."""
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
+    sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
+    common = (q4, k4, v4, do4, lse, delta)
+    dkdv = GluonPass(flash_dkdv_gluon_kernel,
+                     (*common, dk4, dv4, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes), flags,
+                     DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
+                   DQ_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+    return dkdv, dq

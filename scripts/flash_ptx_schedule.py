@@ -45,7 +45,7 @@ def kernels(dtype: str) -> dict:
                | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.
         "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
-                       | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DKDV_CONFIG[128]),
+                       | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0}, hopper_backward.DKDV_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DQ_CONFIG[128]),
     }
@@ -120,7 +120,8 @@ def main() -> None:
         for bm, bn, warps, stages in args.config or [shipped]:
             gluon = name.endswith("-gluon")
             if gluon:  # pipelining is written out in the kernel: STAGES is its ring of buffers
-                constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages)
+                constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
+                                  **extra)
             else:
                 constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION="tf32",
                                   BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)

@@ -439,14 +439,23 @@ def test_gluon_passes_only_where_eligible():
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_backward_matches_reference(shape, causal, dtype):
     from cs336_systems.kernels.flash_attention import function
-    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
+    from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, GluonPass
+
+    class GluonBoth(function.FlashAttentionTriton):  # both passes in Gluon, whatever the default
+        @staticmethod
+        def backward(ctx, grad_out):
+            lse, q, k, v, out = ctx.saved_tensors
+            return (*function.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=True), None)
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
     out, lse = function.flash_forward(*probe, causal)
-    _, dkdv, dq, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal)
-    assert isinstance(dkdv, GluonPass) and isinstance(dq, GluonPass)  # the default path takes them
-    _check_against_reference(_triton_fn(), shape, causal, dtype, "cuda")
+    for gluon in (None, True):
+        _, dkdv, dq, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal, gluon=gluon)
+        for name, launch in (("dkdv", dkdv), ("dq", dq)):  # the default path takes the shipped ones
+            assert isinstance(launch, GluonPass) == (gluon or name in GLUON_PASSES), (gluon, name)
+    _check_against_reference(_triton_fn(), shape, causal, dtype, "cuda")  # the default backward
+    _check_against_reference(lambda q, k, v, c: GluonBoth.apply(q, k, v, c), shape, causal, dtype, "cuda")
 
 
 @requires_hopper

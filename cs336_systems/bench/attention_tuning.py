@@ -39,15 +39,17 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon",
-           "dq-gluon")
+           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
 # their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper passes with asynchronous
-# products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only).
+# products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only), `-k` / `-kv`
+# with K (and V) held in registers for S^T and dP^T.
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
-                      "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dq-gluon": 1.5}
+                      "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0,
+                      "dq-gluon": 1.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -65,6 +67,8 @@ TILES["dq-tma"] = TILES["dq"]
 GLUON_SPACE = {
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                    (32, 128, 8, 3)],
+    "dkdv-gluon-k": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
+    "dkdv-gluon-kv": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
     "dq-gluon": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
                  (128, 128, 8, 2)],
 }
@@ -138,7 +142,9 @@ def _launches(inputs, causal: bool) -> dict:
                     **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
                        "dq-tma": dq_tma})
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
-        launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon}
+        launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon,
+                     "dkdv-gluon-k": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=1)),
+                     "dkdv-gluon-kv": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=2))}
     return launches
 
 

@@ -206,9 +206,10 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
     and finish() scales and casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
     (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
-    `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the two passes in Gluon with asynchronous
-    products (hopper_backward.py); None (default): wherever the inputs qualify (Hopper, fp16/bf16,
-    head dim 64 or 128, `hopper_backward.eligible`), False: the `tl` passes.
+    `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
+    products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
+    `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
+    (measured faster than their `tl` twins), False neither.
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -251,15 +252,19 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
         return preprocess, dkdv, None, finish
     dq = torch.empty_like(q)
     dq4 = _as_4d(dq)
-    if gluon is not False and not use_tma and hopper_backward.eligible(q4, k4, v4, do4, dq4, dk4, dv4):
-        _install_descriptor_allocator(q.device)
-        dkdv, dq_pass = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal,
-                                                        sm_scale)
-        return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
     dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                         flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
                            lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    if gluon is not False and not use_tma and hopper_backward.eligible(q4, k4, v4, do4, dq4, dk4, dv4):
+        _install_descriptor_allocator(q.device)
+        gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
+                                                               is_causal, sm_scale)
+        # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
+        if gluon or "dkdv" in hopper_backward.GLUON_PASSES:
+            dkdv = gluon_dkdv
+        if gluon or "dq" in hopper_backward.GLUON_PASSES:
+            dq_pass = gluon_dq
     return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
 
 

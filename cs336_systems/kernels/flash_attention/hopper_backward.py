@@ -49,10 +49,16 @@ from cs336_systems.kernels._triton_utils import interpreting
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 HEAD_DIMS = (64, 128)
 
-# (BLOCK_M, BLOCK_N, warps, stages) per pass and head dim. The dK/dV pass keeps 64 keys per warpgroup;
-# the dQ pass 64 queries per warpgroup.
+# (BLOCK_M, BLOCK_N, warps, stages) per pass and head dim: 16 rows of the outer tile per warp (one
+# warpgroup per 64). The best of `cs336-bench attention-tune` on the H200 (results/attention-tune.jsonl,
+# commit 29d5a4864034, bf16 causal 1x32x32768x128 and 4x32x16384x64).
 DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
-DQ_CONFIG = {64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}
+DQ_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+# KV_REGS of the dK/dV pass: 0 reads K and V from shared memory in S^T = K Q^T and dP^T = V dO^T, 1 holds K in
+# registers, 2 both (the products then read only Q^T / dO^T from shared memory, half the bytes per FLOP).
+DKDV_KV_REGS = {64: 0, 128: 0}
+# The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md).
+GLUON_PASSES = ("dq",)
 
 
 def eligible(*tensors: torch.Tensor) -> bool:
@@ -147,7 +153,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0):
     """One program per (key tile, batch x head): dK and dV of BLOCK_N keys."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -190,6 +196,15 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(kv_bar, 0)
+    if KV_REGS == 2:
+        k_op = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        v_op = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    elif KV_REGS == 1:
+        k_op = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        v_op = v_smem
+    else:
+        k_op = k_smem
+        v_op = v_smem
 
     # Loops as in backward.py: the diagonal tiles (masked), the tiles every key of the tile sees in
     # full (no index comparisons), then the ragged last tile (masked).
@@ -197,18 +212,18 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     if IS_CAUSAL:
         diagonal_end = gl.minimum((n0 + BLOCK_N) // BLOCK_M, last_tile)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+            dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
             BLOCK_M, STAGES, s_layout, op_layout)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
-        dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
         BLOCK_M, STAGES, s_layout, op_layout)
     dk, dv = _dkdv_query_tiles(
-        dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
         qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
@@ -375,7 +390,8 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes), flags,
+                     (*common, dk4, dv4, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes),
+                     flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
                    DQ_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))

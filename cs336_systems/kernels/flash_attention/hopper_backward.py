@@ -35,6 +35,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -102,6 +103,19 @@ def _fill(bars, a_smem, b_smem, a_desc, b_desc, tile, slot, end_tile, BLOCK: gl.
 
 
 @gluon.jit
+def _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile, slot, n_rows, BLOCK: gl.constexpr):
+    """Start copying L and D of row tile `tile` into ring slot `slot` (cp.async, one commit group). Rows
+    past n_rows read as zeros: their Q and dO rows are zeros too, so they add nothing to dK or dV."""
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                            warps_per_cta=[gl.num_warps()], order=[0])
+    offs = tile * BLOCK + gl.arange(0, BLOCK, layout=layout)
+    inside = offs < n_rows
+    async_copy.async_copy_global_to_shared(lse_smem.index(slot), lse_row + offs, mask=inside)
+    async_copy.async_copy_global_to_shared(delta_smem.index(slot), delta_row + offs, mask=inside)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl.constexpr):
     """L (in log2 units) and D of row tile `tile`; rows past n_rows get L = +inf (P = 0) and D = 0."""
     offs = tile * BLOCK + gl.arange(0, BLOCK, layout=layout)
@@ -112,7 +126,7 @@ def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl
 
 
 @gluon.jit
-def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc,
+def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem,
                       lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
@@ -128,13 +142,16 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
         sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        lse2, delta = _row_stats(lse_row, delta_row, tile, n_queries, BLOCK_M, gl.SliceLayout(0, s_layout))
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         # The previous step's dV and dK products have retired too: every warp is past them, so their
-        # slot can take the tile STAGES - 1 ahead.
+        # slot can take the tile STAGES - 1 ahead (and every thread's L and D copies are visible).
         gl.thread_barrier()
-        _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES,
-              last_tile, BLOCK_M)
+        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
+        delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+        ahead_slot = (step + STAGES - 1) % STAGES
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M)
+        _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile + STAGES - 1, ahead_slot, n_queries, BLOCK_M)
         pT = gl.exp2(sT * qk_scale - lse2[None, :])
         if MASKED and IS_CAUSAL:
             offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -175,6 +192,9 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -187,11 +207,11 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
-    for ahead in gl.static_range(STAGES - 1):
-        _fill(bars, q_smem, do_smem, q_desc, do_desc, first_tile + ahead, ahead, last_tile, BLOCK_M)
-
     lse_row = L + batch_head.to(gl.int64) * n_queries
     delta_row = Delta + batch_head.to(gl.int64) * n_queries
+    for ahead in gl.static_range(STAGES - 1):
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, first_tile + ahead, ahead, last_tile, BLOCK_M)
+        _fill_stats(lse_smem, delta_smem, lse_row, delta_row, first_tile + ahead, ahead, n_queries, BLOCK_M)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
@@ -212,21 +232,22 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     if IS_CAUSAL:
         diagonal_end = gl.minimum((n0 + BLOCK_N) // BLOCK_M, last_tile)
         dk, dv = _dkdv_query_tiles(
-            dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+            dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
             BLOCK_M, STAGES, s_layout, op_layout)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
-        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
         BLOCK_M, STAGES, s_layout, op_layout)
     dk, dv = _dkdv_query_tiles(
-        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_row, delta_row,
+        dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
         qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    async_copy.wait_group(0)  # the copies issued for tiles past the end (all masked off)
 
     mbarrier.invalidate(kv_bar)
     for slot in gl.static_range(STAGES):

@@ -40,7 +40,9 @@ run_stage() {
         --plot "$R/attention_tflops.png" 2>&1 | tail -45
       ;;
     attention-train)
-      python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
+      # ATTN_TRAIN_PROVIDERS narrows or widens it (triton-tl-bwd: the tl backward passes, for comparison).
+      python3 -m cs336_systems.bench attention --sweep train \
+        --provider "${ATTN_TRAIN_PROVIDERS:-triton,triton-tl-bwd,sdpa-flash,sdpa-cudnn}" \
         --rep-ms 50 --no-progress --results-dir "$R" 2>&1 | tail -40
       ;;
     attention-tune)

@@ -421,6 +421,7 @@ GLUON_SHAPES = [(1, 2, 256, 256, 128), (2, 3, 1000, 1000, 64), (1, 2, 513, 257, 
 
 
 def test_gluon_passes_only_where_eligible():
+    from cs336_systems.kernels.flash_attention.function import tma_eligible
     from cs336_systems.kernels.flash_attention.hopper_backward import eligible
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
@@ -430,7 +431,8 @@ def test_gluon_passes_only_where_eligible():
         assert eligible(good) and eligible(head_view)
         assert not eligible(good.float())  # fp32 takes the tl passes
         assert not eligible(good[..., :80])  # head dim 80
-        assert not eligible(good[..., :96].transpose(-1, -2)[..., :64])  # d not unit-stride
+        strided = good[..., :96].transpose(-1, -2)[..., :64]  # d not unit-stride: TMA's check says no
+        assert eligible(strided) and not tma_eligible(strided)
 
 
 @requires_hopper

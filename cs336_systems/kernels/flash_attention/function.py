@@ -256,7 +256,8 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
                         flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
                            lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
-    if gluon is not False and not use_tma and hopper_backward.eligible(q4, k4, v4, do4, dq4, dk4, dv4):
+    gluon_ok = hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4, dq4, dk4, dv4)
+    if gluon is not False and not use_tma and gluon_ok:
         _install_descriptor_allocator(q.device)
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
                                                                is_causal, sm_scale)

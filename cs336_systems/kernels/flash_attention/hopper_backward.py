@@ -62,20 +62,15 @@ DKDV_KV_REGS = {64: 0, 128: 0}
 GLUON_PASSES = ("dq",)
 
 
-def eligible(*tensors: torch.Tensor) -> bool:
-    """Whether these (batch, heads, seq, d) tensors can take the Gluon passes. CS336_FLASH_GLUON=0
-    turns them off (the `tl` passes then run everywhere)."""
+def eligible(q: torch.Tensor) -> bool:
+    """Whether inputs like q (device, dtype, head dim) can take the Gluon passes; the caller also checks
+    TMA strides (`function.tma_eligible`). CS336_FLASH_GLUON=0 turns them off (the `tl` passes then run
+    everywhere)."""
     if os.environ.get("CS336_FLASH_GLUON", "1") == "0" or interpreting():
         return False
-    q = tensors[0]
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False  # wgmma is Hopper's; Blackwell has other tensor-core instructions
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in HEAD_DIMS:
-        return False
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
 
 
 @triton.constexpr_function

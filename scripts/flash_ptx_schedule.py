@@ -45,7 +45,12 @@ def kernels(dtype: str) -> dict:
                | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.
         "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
-                       | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0}, hopper_backward.DKDV_CONFIG[128]),
+                       | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0, "DQ_ACCUM": None, "DQ_SPLIT": 0},
+                       hopper_backward.DKDV_CONFIG[128]),
+        "fused-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
+                        | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
+                        {"KV_REGS": 0, "DQ_SPLIT": hopper_backward.FUSED_DQ_SPLIT[128]},
+                        hopper_backward.FUSED_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DQ_CONFIG[128]),
     }
@@ -99,8 +104,8 @@ def parse_config(text: str) -> tuple[int, int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--kernel", default="forward,dkdv,dq,dkdv-gluon,dq-gluon",
-                        help="comma-separated from: forward, dkdv, dq, dkdv-gluon, dq-gluon")
+    parser.add_argument("--kernel", default="forward,dkdv,dq,dkdv-gluon,dq-gluon,fused-gluon",
+                        help="comma-separated from: forward, dkdv, dq, dkdv-gluon, dq-gluon, fused-gluon")
     parser.add_argument("--config", type=lambda s: [parse_config(c) for c in s.split(",")], default=None,
                         help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES (default: each kernel's first)")
     parser.add_argument("--d", type=int, default=128, choices=(16, 32, 64, 128, 256), help="head dim")

@@ -485,6 +485,55 @@ def test_gluon_backward_agrees_with_tl_passes_on_the_models_head_views(causal):
         assert (gluon_grad.float() - tl_grad.float()).abs().max().item() <= 2 ** -6 * scale, name
 
 
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
+    """backward="fused" on Hopper: the Gluon dK/dV pass adding dQ's shares with atomics."""
+    from cs336_systems.kernels.flash_attention import function
+    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
+
+    b, h, n, m, d = shape
+    probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
+    out, lse = function.flash_forward(*probe, causal)
+    _, one_pass, dq_pass, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal, fused=True)
+    assert isinstance(one_pass, GluonPass) and one_pass.flags["DQ_SPLIT"] > 0 and dq_pass is None
+    _check_against_reference(_triton_fn("fused"), shape, causal, dtype, "cuda")
+
+
+@requires_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_one_pass_configs_agree_with_two_passes(d):
+    """Every config and dQ column split that attention-tune times gives the two-pass gradients (ragged
+    lengths, causal, the model's strided head views)."""
+    import dataclasses
+
+    from cs336_systems.bench.attention_tuning import FUSED_GLUON_SPACE
+    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+
+    torch.manual_seed(3)
+    batch, seq, heads = 2, 1000, 3
+    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
+                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    out, lse = flash_forward(q, k, v, True)
+    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=False)
+    preprocess()
+    dkdv()
+    dq_pass()
+    reference = finish()
+    for config in FUSED_GLUON_SPACE:
+        for split in (1, 2):
+            preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, True, fused=True)
+            preprocess()
+            dataclasses.replace(one_pass, flags=one_pass.flags | dict(DQ_SPLIT=split)).with_config(*config)()
+            for name, want, got in zip(("dq", "dk", "dv"), reference, finish()):
+                assert got.stride() == want.stride(), name
+                scale = want.float().abs().max().item()
+                error = (got.float() - want.float()).abs().max().item()
+                assert error <= 2 ** -6 * scale, (name, config, split, error, scale)
+
+
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
     """The point of the Gluon passes, checked from their PTX on any machine: the waits leave one product in
     flight (`wgmma.wait_group 1`), where the `tl` passes wait for everything (`wgmma.wait_group 0`)."""
@@ -494,11 +543,12 @@ def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "flash_ptx_schedule.py"
-    done = subprocess.run([sys.executable, str(script), "--kernel", "dkdv-gluon,dq-gluon,dkdv", "--d", "64"],
-                          capture_output=True, text=True, timeout=300)
+    kernels = "dkdv-gluon,dq-gluon,fused-gluon,dkdv"
+    done = subprocess.run([sys.executable, str(script), "--kernel", kernels, "--d", "64"], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
-    for name in ("dkdv-gluon", "dq-gluon"):
+    for name in ("dkdv-gluon", "dq-gluon", "fused-gluon"):
         assert int(re.search(r"TMA (\d+)", lines[name]).group(1)) > 0, lines[name]
         assert "|1" in lines[name], lines[name]
     assert "|1" not in lines["dkdv"], lines["dkdv"]

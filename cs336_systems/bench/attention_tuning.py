@@ -39,17 +39,18 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon",
-           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon")
+           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
 # their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper passes with asynchronous
 # products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only), `-k` / `-kv`
-# with K (and V) held in registers for S^T and dP^T.
+# with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in Gluon (the dK/dV
+# pass adding its dQ share into fp32 with atomics; `-s1` / `-s2`: that share in 1 or 2 column blocks).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
                       "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0,
-                      "dq-gluon": 1.5}
+                      "dq-gluon": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -64,7 +65,10 @@ TILES["forward-tma"] = TILES["forward"]
 TILES["dkdv-tma"] = TILES["dkdv"]
 TILES["dq-tma"] = TILES["dq"]
 # The Gluon passes take 16 rows of their outer tile per warp (one warpgroup per 64 rows): the space is listed.
+# The one-pass Gluon backward's dQ share is a wgmma of BLOCK_M = 64 rows per warpgroup column block.
+FUSED_GLUON_SPACE = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
 GLUON_SPACE = {
+    "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                    (32, 128, 8, 3)],
     "dkdv-gluon-k": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
@@ -134,9 +138,10 @@ def _launches(inputs, causal: bool) -> dict:
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)
     gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
-    fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
-    for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess):  # D, read by each set
-        write_delta()
+    fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
+    gluon_fused_preprocess, gluon_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
+    for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess, gluon_fused_preprocess):
+        write_delta()  # D, read by each set
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
                     **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
@@ -144,7 +149,10 @@ def _launches(inputs, causal: bool) -> dict:
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon,
                      "dkdv-gluon-k": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=1)),
-                     "dkdv-gluon-kv": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=2))}
+                     "dkdv-gluon-kv": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=2)),
+                     "fused-gluon": gluon_fused,
+                     "fused-gluon-s1": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=1)),
+                     "fused-gluon-s2": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=2))}
     return launches
 
 
@@ -275,6 +283,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
                             best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
+                            best_fused_gluon_bwd=min(best.get(k, float("nan")) for k in
+                                                     ("fused-gluon", "fused-gluon-s1", "fused-gluon-s2")) + preprocess,
                             best_gluon_bwd=best.get("dkdv-gluon", float("nan")) + best.get("dq-gluon", float("nan"))
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),

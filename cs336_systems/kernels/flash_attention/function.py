@@ -243,10 +243,17 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
         dkdv = KernelLaunch(flash_bwd_fused_kernel,
                             (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                             flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
+        accum_scale = sm_scale
+        if gluon is not False and not use_tma and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4,
+                                                                                              dk4, dv4):
+            _install_descriptor_allocator(q.device)
+            dkdv = hopper_backward.fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
+            accum_scale = 1.0  # the Gluon pass adds dQ already scaled
 
         def finish():
             dq = torch.empty_like(q)  # in q's layout, as the other gradients
-            dq.copy_(dq_accum[..., :head_dim].mul_(sm_scale).view(q.shape))  # (batch*heads, ..) -> q's dims
+            accum = dq_accum[..., :head_dim]
+            dq.copy_((accum.mul_(accum_scale) if accum_scale != 1.0 else accum).view(q.shape))
             return dq, dk, dv
 
         return preprocess, dkdv, None, finish

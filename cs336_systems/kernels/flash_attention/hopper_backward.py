@@ -55,6 +55,9 @@ HEAD_DIMS = (64, 128)
 # commit 29d5a4864034, bf16 causal 1x32x32768x128 and 4x32x16384x64).
 DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 DQ_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+# The one-pass backward (the dK/dV kernel with DQ_SPLIT > 0): config and dQ column blocks per head dim.
+FUSED_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+FUSED_DQ_SPLIT = {64: 1, 128: 2}
 # KV_REGS of the dK/dV pass: 0 reads K and V from shared memory in S^T = K Q^T and dP^T = V dO^T, 1 holds K in
 # registers, 2 both (the products then read only Q^T / dO^T from shared memory, half the bytes per FLOP).
 DKDV_KV_REGS = {64: 0, 128: 0}
@@ -124,10 +127,13 @@ def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl
 def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem,
                       lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                      STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
-    """Add query tiles [start_tile, end_tile) to one key tile's dK and dV."""
+                      STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
+                      k_tile, ds_smem, dq_row, sm_scale, DQ_SPLIT: gl.constexpr):
+    """Add query tiles [start_tile, end_tile) to one key tile's dK and dV; with DQ_SPLIT > 0 also add
+    each query tile's share of dQ, dS K, into the fp32 rows at dq_row (the one-pass backward)."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     for tile in range(start_tile, end_tile):
         step = tile - first_tile
         slot = step % STAGES
@@ -154,19 +160,67 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         dsT = pT * (dpT - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q_tile, dk, is_async=True)
+        if DQ_SPLIT > 0:
+            dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_row, tile, n_queries, sm_scale,
+                                  MASKED, BLOCK_M, HEAD_DIM, DQ_SPLIT)
+        else:
+            dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q_tile, dk, is_async=True)
     return dk, dv
 
 
+@triton.constexpr_function
+def _dq_share_layout(num_warps, columns):
+    # dQ's share is (BLOCK_M, columns) whatever BLOCK_N is: the warpgroups split its columns, not its rows.
+    groups = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups], instr_shape=[16, columns // groups, 16])
+
+
 @gluon.jit
-def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
+def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_row, tile, n_queries, sm_scale, MASKED: gl.constexpr,
+                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    """The one-pass step's last products: dK += dS^T Q, and dQ[tile] += sm_scale * dS K over this program's
+    keys, reduced into fp32 rows with relaxed atomics (programs of other key tiles add to the same rows).
+    dS^T goes through shared memory once and both products read it there (dQ's transposed). dQ's share is
+    issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight under the atomics."""
+    COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
+    share_layout: gl.constexpr = _dq_share_layout(gl.num_warps(), COLUMNS)
+    # Every warp is past the previous step's products that read ds_smem (their waits come before this
+    # step's thread barrier); the fence orders these stores before the tensor cores' reads.
+    ds_smem.store(dsT)
+    fence_async_shared()
+    gl.thread_barrier()
+    shares = ()
+    for part in gl.static_range(DQ_SPLIT):
+        shares = shares + (warpgroup_mma(ds_smem.permute((1, 0)), k_tile.slice(part * COLUMNS, COLUMNS, dim=1),
+                                         gl.zeros([BLOCK_M, COLUMNS], gl.float32, share_layout), use_acc=False,
+                                         is_async=True),)
+    dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+    offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
+    # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
+    rows = offs_m[:, None] * HEAD_DIM
+    for part in gl.static_range(DQ_SPLIT):
+        share = warpgroup_mma_wait(num_outstanding=DQ_SPLIT - part, deps=(shares[part],))
+        offs_d = part * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, share_layout))
+        if MASKED:
+            gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale, mask=offs_m[:, None] < n_queries,
+                          sem="relaxed")
+        else:
+            gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale, sem="relaxed")
+    return dk
+
+
+@gluon.jit
+def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0):
-    """One program per (key tile, batch x head): dK and dV of BLOCK_N keys."""
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
+                            DQ_SPLIT: gl.constexpr = 0):
+    """One program per (key tile, batch x head): dK and dV of BLOCK_N keys. DQ_SPLIT > 0 makes it the
+    one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, n_queries, HEAD_DIM),
+    zeroed by the caller (`_add_dq_share`)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -190,6 +244,12 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    if DQ_SPLIT > 0:
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _tile_layout(dtype.primitive_bitwidth))
+        dq_row = DQ_ACCUM + batch_head.to(gl.int64) * n_queries * HEAD_DIM
+    else:
+        ds_smem = k_smem  # unused
+        dq_row = L  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -229,18 +289,19 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV,
         dk, dv = _dkdv_query_tiles(
             dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
-            BLOCK_M, STAGES, s_layout, op_layout)
+            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale, DQ_SPLIT)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
-        BLOCK_M, STAGES, s_layout, op_layout)
+        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale, DQ_SPLIT)
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
-        qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout)
+        qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale,
+        DQ_SPLIT)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     async_copy.wait_group(0)  # the copies issued for tiles past the end (all masked off)
 
@@ -406,9 +467,27 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes),
+                     (*common, dk4, dv4, None, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
                    DQ_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
+
+
+def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, sm_scale: float) -> GluonPass:
+    """The one-pass backward over `eligible` (batch, heads, seq, d) tensors: dK and dV written, dQ (scaled)
+    added into dq_accum, fp32 (batch x heads, n_queries, d) and zeroed; D must be written first."""
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    if dq_accum.shape != (batch * heads, n_queries, head_dim) or not dq_accum.is_contiguous():
+        raise ValueError(f"dq_accum: got shape {tuple(dq_accum.shape)}; expected a contiguous "
+                         f"{(batch * heads, n_queries, head_dim)} fp32 buffer")
+    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
+    sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim])
+    return GluonPass(flash_dkdv_gluon_kernel,
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),
+                      *_row_strides(dv4), *sizes),
+                     flags, FUSED_CONFIG[head_dim],
+                     lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

@@ -523,20 +523,22 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     dq_pass()
     reference = finish()
     for config in FUSED_GLUON_SPACE:
-        for split in (1, 2):
+        for split, reduce_by_tma in ((1, 1), (2, 1), (2, 0)):
             preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, True, fused=True)
             preprocess()
-            dataclasses.replace(one_pass, flags=one_pass.flags | dict(DQ_SPLIT=split)).with_config(*config)()
+            flags = one_pass.flags | dict(DQ_SPLIT=split, DQ_TMA=reduce_by_tma)
+            dataclasses.replace(one_pass, flags=flags).with_config(*config)()
             for name, want, got in zip(("dq", "dk", "dv"), reference, finish()):
                 assert got.stride() == want.stride(), name
                 scale = want.float().abs().max().item()
                 error = (got.float() - want.float()).abs().max().item()
-                assert error <= 2 ** -6 * scale, (name, config, split, error, scale)
+                assert error <= 2 ** -6 * scale, (name, config, split, reduce_by_tma, error, scale)
 
 
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
     """The point of the Gluon passes, checked from their PTX on any machine: the waits leave one product in
     flight (`wgmma.wait_group 1`), where the `tl` passes wait for everything (`wgmma.wait_group 0`)."""
+    import os
     import re
     import subprocess
     import sys
@@ -544,8 +546,10 @@ def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "flash_ptx_schedule.py"
     kernels = "dkdv-gluon,dq-gluon,fused-gluon,dkdv"
+    root = str(script.parents[1])  # the package from this checkout, installed or not (the GPU image runs it so)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     done = subprocess.run([sys.executable, str(script), "--kernel", kernels, "--d", "64"], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
     for name in ("dkdv-gluon", "dq-gluon", "fused-gluon"):

@@ -39,7 +39,8 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon",
-           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2")
+           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+           "fused-gluon-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
@@ -47,10 +48,12 @@ KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused"
 # their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper passes with asynchronous
 # products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only), `-k` / `-kv`
 # with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in Gluon (the dK/dV
-# pass adding its dQ share into fp32 with atomics; `-s1` / `-s2`: that share in 1 or 2 column blocks).
+# pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2 column blocks;
+# `-atomic`: added from registers with pointer atomics instead).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
                       "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0,
-                      "dq-gluon": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5}
+                      "dq-gluon": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
+                      "fused-gluon-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -69,6 +72,7 @@ TILES["dq-tma"] = TILES["dq"]
 FUSED_GLUON_SPACE = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
 GLUON_SPACE = {
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
+    "fused-gluon-atomic": FUSED_GLUON_SPACE,
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                    (32, 128, 8, 3)],
     "dkdv-gluon-k": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
@@ -152,7 +156,8 @@ def _launches(inputs, causal: bool) -> dict:
                      "dkdv-gluon-kv": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=2)),
                      "fused-gluon": gluon_fused,
                      "fused-gluon-s1": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=1)),
-                     "fused-gluon-s2": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=2))}
+                     "fused-gluon-s2": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=2)),
+                     "fused-gluon-atomic": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_TMA=0))}
     return launches
 
 
@@ -284,7 +289,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                             best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=min(best.get(k, float("nan")) for k in
-                                                     ("fused-gluon", "fused-gluon-s1", "fused-gluon-s2")) + preprocess,
+                                                     ("fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+                                                      "fused-gluon-atomic")) + preprocess,
                             best_gluon_bwd=best.get("dkdv-gluon", float("nan")) + best.get("dq-gluon", float("nan"))
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -80,6 +82,15 @@ def eligible(q: torch.Tensor) -> bool:
 def _tile_layout(element_bits):
     # Rows of 64 or 128 elements of 16 bits are >= 128 bytes: the widest swizzle.
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=element_bits, rank=2)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[tile at coord] += shared src, by the copy engine (cp.reduce.async.bulk.tensor, Hopper). Triton
+    3.6 builds the op (create_async_tma_reduce) but Gluon does not expose it; as `tma.async_copy_shared_to_global`,
+    it is waited for with `tma.store_wait`."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -128,9 +139,10 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
                       lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-                      k_tile, ds_smem, dq_row, sm_scale, DQ_SPLIT: gl.constexpr):
+                      k_tile, ds_smem, dq_target, sm_scale, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     """Add query tiles [start_tile, end_tile) to one key tile's dK and dV; with DQ_SPLIT > 0 also add
-    each query tile's share of dQ, dS K, into the fp32 rows at dq_row (the one-pass backward)."""
+    each query tile's share of dQ, dS K, into fp32 rows (dq_target: see `_dk_and_dq_share`; the one-pass
+    backward)."""
     dtype: gl.constexpr = q_desc.dtype
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -145,6 +157,8 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
+        if DQ_SPLIT > 0 and DQ_TMA:
+            tma.store_wait(pendings=0)  # the previous step's dQ reduction has read its staging buffer
         # The previous step's dV and dK products have retired too: every warp is past them, so their
         # slot can take the tile STAGES - 1 ahead (and every thread's L and D copies are visible).
         gl.thread_barrier()
@@ -161,8 +175,8 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         dsT = pT * (dpT - delta[None, :])
         if DQ_SPLIT > 0:
-            dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_row, tile, n_queries, sm_scale,
-                                  MASKED, BLOCK_M, HEAD_DIM, DQ_SPLIT)
+            dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_target, tile, n_queries,
+                                  sm_scale, MASKED, BLOCK_M, HEAD_DIM, DQ_SPLIT, DQ_TMA)
         else:
             dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q_tile, dk, is_async=True)
     return dk, dv
@@ -176,14 +190,17 @@ def _dq_share_layout(num_warps, columns):
 
 
 @gluon.jit
-def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_row, tile, n_queries, sm_scale, MASKED: gl.constexpr,
-                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_SPLIT: gl.constexpr):
+def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, n_queries, sm_scale, MASKED: gl.constexpr,
+                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     """The one-pass step's last products: dK += dS^T Q, and dQ[tile] += sm_scale * dS K over this program's
-    keys, reduced into fp32 rows with relaxed atomics (programs of other key tiles add to the same rows).
+    keys, reduced into fp32 rows that programs of other key tiles add to as well. dq_target is
+    (fp32 rows of this head, their TMA descriptor, staging buffers): DQ_TMA = 1 stages the share in shared
+    memory and has the copy engine add it (`_tma_reduce_add`); 0 adds it from registers with relaxed atomics.
     dS^T goes through shared memory once and both products read it there (dQ's transposed). dQ's share is
-    issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight under the atomics."""
+    issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight."""
     COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
     share_layout: gl.constexpr = _dq_share_layout(gl.num_warps(), COLUMNS)
+    dq_row, dq_desc, dq_stage = dq_target
     # Every warp is past the previous step's products that read ds_smem (their waits come before this
     # step's thread barrier); the fence orders these stores before the tensor cores' reads.
     ds_smem.store(dsT)
@@ -195,17 +212,26 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_row, tile, n_queries, 
                                          gl.zeros([BLOCK_M, COLUMNS], gl.float32, share_layout), use_acc=False,
                                          is_async=True),)
     dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
-    offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
-    # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
-    rows = offs_m[:, None] * HEAD_DIM
-    for part in gl.static_range(DQ_SPLIT):
-        share = warpgroup_mma_wait(num_outstanding=DQ_SPLIT - part, deps=(shares[part],))
-        offs_d = part * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, share_layout))
-        if MASKED:
-            gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale, mask=offs_m[:, None] < n_queries,
-                          sem="relaxed")
-        else:
-            gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale, sem="relaxed")
+    if DQ_TMA:
+        for part in gl.static_range(DQ_SPLIT):
+            share = warpgroup_mma_wait(num_outstanding=DQ_SPLIT - part, deps=(shares[part],))
+            dq_stage.index(part).store(share * sm_scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        for part in gl.static_range(DQ_SPLIT):  # TMA clips rows past n_queries
+            _tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(part))
+    else:
+        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
+        # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
+        rows = offs_m[:, None] * HEAD_DIM
+        for part in gl.static_range(DQ_SPLIT):
+            share = warpgroup_mma_wait(num_outstanding=DQ_SPLIT - part, deps=(shares[part],))
+            offs_d = part * COLUMNS + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, share_layout))
+            if MASKED:
+                gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale,
+                              mask=offs_m[:, None] < n_queries, sem="relaxed")
+            else:
+                gl.atomic_add(dq_row + (rows + offs_d[None, :]), share * sm_scale, sem="relaxed")
     return dk
 
 
@@ -217,7 +243,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
-                            DQ_SPLIT: gl.constexpr = 0):
+                            DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1):
     """One program per (key tile, batch x head): dK and dV of BLOCK_N keys. DQ_SPLIT > 0 makes it the
     one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, n_queries, HEAD_DIM),
     zeroed by the caller (`_add_dq_share`)."""
@@ -247,9 +273,15 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     if DQ_SPLIT > 0:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _tile_layout(dtype.primitive_bitwidth))
         dq_row = DQ_ACCUM + batch_head.to(gl.int64) * n_queries * HEAD_DIM
+        DQ_COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
+        dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        dq_desc = tma.make_tensor_descriptor(dq_row, shape=[n_queries, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                             block_shape=[BLOCK_M, DQ_COLUMNS], layout=dq_layout)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [DQ_SPLIT if DQ_TMA else 1, BLOCK_M, DQ_COLUMNS], dq_layout)
+        dq_target = (dq_row, dq_desc, dq_stage)
     else:
         ds_smem = k_smem  # unused
-        dq_row = L  # unused
+        dq_target = (L, L, k_smem)  # unused
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
@@ -289,19 +321,19 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dk, dv = _dkdv_query_tiles(
             dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
-            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale, DQ_SPLIT)
+            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
-        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale, DQ_SPLIT)
+        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA)
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
-        qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_row, sm_scale,
-        DQ_SPLIT)
+        qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale,
+        DQ_SPLIT, DQ_TMA)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     async_copy.wait_group(0)  # the copies issued for tiles past the end (all masked off)
 
@@ -485,7 +517,7 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
                          f"{(batch * heads, n_queries, head_dim)} fp32 buffer")
     strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
     sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
-    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim])
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),
                       *_row_strides(dv4), *sizes),

@@ -57,14 +57,16 @@ HEAD_DIMS = (64, 128)
 # commit 29d5a4864034, bf16 causal 1x32x32768x128 and 4x32x16384x64).
 DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 DQ_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
-# The one-pass backward (the dK/dV kernel with DQ_SPLIT > 0): config and dQ column blocks per head dim.
-FUSED_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+# The one-pass backward (the dK/dV kernel with DQ_SPLIT > 0): config and dQ column blocks per head dim
+# (attention-tune, kernels fused-gluon-s1/-s2, commit 77d6a5936264).
+FUSED_CONFIG = {64: (64, 64, 4, 2), 128: (64, 128, 8, 2)}
 FUSED_DQ_SPLIT = {64: 1, 128: 2}
 # KV_REGS of the dK/dV pass: 0 reads K and V from shared memory in S^T = K Q^T and dP^T = V dO^T, 1 holds K in
 # registers, 2 both (the products then read only Q^T / dO^T from shared memory, half the bytes per FLOP).
 DKDV_KV_REGS = {64: 0, 128: 0}
-# The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md).
-GLUON_PASSES = ("dq",)
+# The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
+# with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
+GLUON_PASSES = ("dkdv", "dq")
 
 
 def eligible(q: torch.Tensor) -> bool:
@@ -139,7 +141,8 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
                       lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
-                      k_tile, ds_smem, dq_target, sm_scale, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                      k_tile, ds_smem, dq_target, sm_scale, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
+                      DQ_BUFFERS: gl.constexpr):
     """Add query tiles [start_tile, end_tile) to one key tile's dK and dV; with DQ_SPLIT > 0 also add
     each query tile's share of dQ, dS K, into fp32 rows (dq_target: see `_dk_and_dq_share`; the one-pass
     backward)."""
@@ -158,7 +161,8 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         if DQ_SPLIT > 0 and DQ_TMA:
-            tma.store_wait(pendings=0)  # the previous step's dQ reduction has read its staging buffer
+            # The dQ reductions issued DQ_BUFFERS - 1 steps ago have read the staging buffers this step fills.
+            tma.store_wait(pendings=(DQ_BUFFERS - 1) * DQ_SPLIT)
         # The previous step's dV and dK products have retired too: every warp is past them, so their
         # slot can take the tile STAGES - 1 ahead (and every thread's L and D copies are visible).
         gl.thread_barrier()
@@ -175,8 +179,9 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         dsT = pT * (dpT - delta[None, :])
         if DQ_SPLIT > 0:
-            dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_target, tile, n_queries,
-                                  sm_scale, MASKED, BLOCK_M, HEAD_DIM, DQ_SPLIT, DQ_TMA)
+            dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_target, tile,
+                                  (step % DQ_BUFFERS) * DQ_SPLIT, n_queries, sm_scale, MASKED, BLOCK_M, HEAD_DIM,
+                                  DQ_SPLIT, DQ_TMA)
         else:
             dk = warpgroup_mma(gl.convert_layout(dsT.to(dtype), op_layout), q_tile, dk, is_async=True)
     return dk, dv
@@ -190,12 +195,14 @@ def _dq_share_layout(num_warps, columns):
 
 
 @gluon.jit
-def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, n_queries, sm_scale, MASKED: gl.constexpr,
+def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_buffer, n_queries, sm_scale,
+                     MASKED: gl.constexpr,
                      BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
     """The one-pass step's last products: dK += dS^T Q, and dQ[tile] += sm_scale * dS K over this program's
     keys, reduced into fp32 rows that programs of other key tiles add to as well. dq_target is
     (fp32 rows of this head, their TMA descriptor, staging buffers): DQ_TMA = 1 stages the share in shared
-    memory and has the copy engine add it (`_tma_reduce_add`); 0 adds it from registers with relaxed atomics.
+    memory (buffers first_buffer + part) and has the copy engine add it (`_tma_reduce_add`) while the next
+    steps run; 0 adds it from registers with relaxed atomics.
     dS^T goes through shared memory once and both products read it there (dQ's transposed). dQ's share is
     issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight."""
     COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
@@ -215,11 +222,11 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, n_querie
     if DQ_TMA:
         for part in gl.static_range(DQ_SPLIT):
             share = warpgroup_mma_wait(num_outstanding=DQ_SPLIT - part, deps=(shares[part],))
-            dq_stage.index(part).store(share * sm_scale)
+            dq_stage.index(first_buffer + part).store(share * sm_scale)
         fence_async_shared()
         gl.thread_barrier()
         for part in gl.static_range(DQ_SPLIT):  # TMA clips rows past n_queries
-            _tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(part))
+            _tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
     else:
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
         # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
@@ -243,7 +250,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
-                            DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1):
+                            DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1, DQ_BUFFERS: gl.constexpr = 2):
     """One program per (key tile, batch x head): dK and dV of BLOCK_N keys. DQ_SPLIT > 0 makes it the
     one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, n_queries, HEAD_DIM),
     zeroed by the caller (`_add_dq_share`)."""
@@ -277,7 +284,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         dq_desc = tma.make_tensor_descriptor(dq_row, shape=[n_queries, HEAD_DIM], strides=[HEAD_DIM, 1],
                                              block_shape=[BLOCK_M, DQ_COLUMNS], layout=dq_layout)
-        dq_stage = gl.allocate_shared_memory(gl.float32, [DQ_SPLIT if DQ_TMA else 1, BLOCK_M, DQ_COLUMNS], dq_layout)
+        dq_stage = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * DQ_SPLIT if DQ_TMA else 1, BLOCK_M, DQ_COLUMNS],
+                                             dq_layout)
         dq_target = (dq_row, dq_desc, dq_stage)
     else:
         ds_smem = k_smem  # unused
@@ -321,19 +329,19 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dk, dv = _dkdv_query_tiles(
             dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
-            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA)
+            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
-        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA)
+        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
         qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale,
-        DQ_SPLIT, DQ_TMA)
+        DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     async_copy.wait_group(0)  # the copies issued for tiles past the end (all masked off)
 

@@ -45,7 +45,8 @@ def kernels(dtype: str) -> dict:
                | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.
         "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
-                       | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0, "DQ_ACCUM": None, "DQ_SPLIT": 0, "DQ_TMA": 1, "DQ_BUFFERS": 2},
+                       | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0, "DQ_ACCUM": None, "DQ_SPLIT": 0,
+                                                            "DQ_TMA": 1, "DQ_BUFFERS": 2},
                        hopper_backward.DKDV_CONFIG[128]),
         "fused-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
                         | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},

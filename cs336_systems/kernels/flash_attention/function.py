@@ -203,8 +203,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
                       gluon: bool | None = None):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
-    fused: one pass that also reduces dQ into an fp32 buffer (see backward.py); there is no dQ pass
-    and finish() scales and casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
+    fused: one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon version in
+    hopper_backward.py, also the default at `hopper_backward.ONE_PASS_HEAD_DIMS`); there is no dQ pass
+    and finish() casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
     (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
     `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
     products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
@@ -238,14 +239,17 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
+    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.eligible(q4)
+                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
+    if gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok:
+        fused = True  # measured faster than the two Gluon passes at this head dim (hopper_backward.py)
     if fused:
         dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
         dkdv = KernelLaunch(flash_bwd_fused_kernel,
                             (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                             flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
         accum_scale = sm_scale
-        if gluon is not False and not use_tma and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4,
-                                                                                              dk4, dv4):
+        if gluon_one_pass_ok:
             _install_descriptor_allocator(q.device)
             dkdv = hopper_backward.fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
             accum_scale = 1.0  # the Gluon pass adds dQ already scaled

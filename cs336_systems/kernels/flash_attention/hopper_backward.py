@@ -67,6 +67,9 @@ DKDV_KV_REGS = {64: 0, 128: 0}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")
+# Head dims where the default backward is the one-pass kernel instead (dQ reduced with TMA reduce-add: fp32
+# sums in arrival order, so not bit-reproducible run to run); `backward="tl"` or gluon=False keeps two passes.
+ONE_PASS_HEAD_DIMS: tuple[int, ...] = ()
 
 
 def eligible(q: torch.Tensor) -> bool:

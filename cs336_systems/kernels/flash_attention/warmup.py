@@ -28,7 +28,7 @@ def _launches(head_dim: int, dtype: torch.dtype, causal: bool, device: str = "cu
     q, k, v, grad_out = (torch.randn(1, 1, WARM_SEQ, head_dim, device=device, dtype=dtype) for _ in range(4))
     forward, out, lse = forward_launch(q, k, v, causal)
     _, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)  # (Gluon: not tuned)
-    _, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
+    _, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
     return dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused)
 
 

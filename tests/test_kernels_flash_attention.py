@@ -392,18 +392,27 @@ def test_precompile_lists_what_the_autotuner_would_try():
         assert precompile([(32, torch.float32, True)], workers=2) == []
 
 
-def test_ptx_schedule_script_compiles_for_hopper_with_pipelined_loads():
-    """scripts/flash_ptx_schedule.py (run apart: it drops TRITON_INTERPRET) compiles for sm_90 on any machine;
-    with the JIT's specialisation the dQ pass's loads are pipelined and its loop shows its products and waits."""
-    import re
+def _run_ptx_script(*args: str):
+    """scripts/flash_ptx_schedule.py in its own process (it drops TRITON_INTERPRET), on this checkout's package
+    whether installed or not (the GPU image runs the tree from PYTHONPATH)."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[1]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
+    return subprocess.run([sys.executable, str(root / "scripts" / "flash_ptx_schedule.py"), *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_ptx_schedule_script_compiles_for_hopper_with_pipelined_loads():
+    """scripts/flash_ptx_schedule.py compiles for sm_90 on any machine; with the JIT's specialisation the dQ
+    pass's loads are pipelined and its loop shows its products and waits."""
+    import re
+
     pytest.importorskip("triton")
-    script = Path(__file__).resolve().parents[1] / "scripts" / "flash_ptx_schedule.py"
-    done = subprocess.run([sys.executable, str(script), "--kernel", "dq", "--d", "64", "--config", "64x64x4x3"],
-                          capture_output=True, text=True, timeout=300)
+    done = _run_ptx_script("--kernel", "dq", "--d", "64", "--config", "64x64x4x3")
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("dq") and int(re.search(r"cp\.async (\d+)", line).group(1)) > 0
@@ -512,6 +521,8 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     lengths, causal, the model's strided head views)."""
     import dataclasses
 
+    import triton
+
     from cs336_systems.bench.attention_tuning import FUSED_GLUON_SPACE
     from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
 
@@ -525,34 +536,31 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     dkdv()
     dq_pass()
     reference = finish()
+    checked = 0
     for config in FUSED_GLUON_SPACE:
         for split, reduce_by_tma in ((1, 1), (2, 1), (2, 0)):
             preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, True, fused=True)
             preprocess()
             flags = one_pass.flags | dict(DQ_SPLIT=split, DQ_TMA=reduce_by_tma)
-            dataclasses.replace(one_pass, flags=flags).with_config(*config)()
+            try:
+                dataclasses.replace(one_pass, flags=flags).with_config(*config)()
+            except triton.runtime.errors.OutOfResources:
+                continue  # e.g. 3 stages at d 128: attention-tune records these as unsupported
+            checked += 1
             for name, want, got in zip(("dq", "dk", "dv"), reference, finish()):
                 assert got.stride() == want.stride(), name
                 scale = want.float().abs().max().item()
                 error = (got.float() - want.float()).abs().max().item()
                 assert error <= 2 ** -6 * scale, (name, config, split, reduce_by_tma, error, scale)
+    assert checked >= 6, checked  # most of the space fits
 
 
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
     """The point of the Gluon passes, checked from their PTX on any machine: the waits leave one product in
     flight (`wgmma.wait_group 1`), where the `tl` passes wait for everything (`wgmma.wait_group 0`)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "flash_ptx_schedule.py"
-    kernels = "dkdv-gluon,dq-gluon,fused-gluon,dkdv"
-    root = str(script.parents[1])  # the package from this checkout, installed or not (the GPU image runs it so)
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    done = subprocess.run([sys.executable, str(script), "--kernel", kernels, "--d", "64"], capture_output=True,
-                          text=True, timeout=300, env=env)
+    done = _run_ptx_script("--kernel", "dkdv-gluon,dq-gluon,fused-gluon,dkdv", "--d", "64")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
     for name in ("dkdv-gluon", "dq-gluon", "fused-gluon"):

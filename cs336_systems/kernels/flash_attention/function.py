@@ -251,12 +251,14 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
         accum_scale = sm_scale
         if gluon_one_pass_ok:
             _install_descriptor_allocator(q.device)
+            dq_accum = torch.zeros(batch * heads, hopper_backward.one_pass_rows(n_queries), head_dim, device=q.device,
+                                   dtype=torch.float32)
             dkdv = hopper_backward.fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
             accum_scale = 1.0  # the Gluon pass adds dQ already scaled
 
         def finish():
             dq = torch.empty_like(q)  # in q's layout, as the other gradients
-            accum = dq_accum[..., :head_dim]
+            accum = dq_accum[:, :n_queries, :head_dim]
             dq.copy_((accum.mul_(accum_scale) if accum_scale != 1.0 else accum).view(q.shape))
             return dq, dk, dv
 

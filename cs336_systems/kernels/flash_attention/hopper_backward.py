@@ -228,7 +228,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
             dq_stage.index(first_buffer + part).store(share * sm_scale)
         fence_async_shared()
         gl.thread_barrier()
-        for part in gl.static_range(DQ_SPLIT):  # TMA clips rows past n_queries
+        for part in gl.static_range(DQ_SPLIT):
             _tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
     else:
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
@@ -250,7 +250,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                             stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                             stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                             stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                            n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                            n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
                             DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1, DQ_BUFFERS: gl.constexpr = 2):
@@ -282,10 +282,11 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     if DQ_SPLIT > 0:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _tile_layout(dtype.primitive_bitwidth))
-        dq_row = DQ_ACCUM + batch_head.to(gl.int64) * n_queries * HEAD_DIM
+        dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
         DQ_COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        dq_desc = tma.make_tensor_descriptor(dq_row, shape=[n_queries, HEAD_DIM], strides=[HEAD_DIM, 1],
+        # Whole tiles of padding rows: the reduction never relies on TMA clipping at n_queries.
+        dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                              block_shape=[BLOCK_M, DQ_COLUMNS], layout=dq_layout)
         dq_stage = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * DQ_SPLIT if DQ_TMA else 1, BLOCK_M, DQ_COLUMNS],
                                              dq_layout)
@@ -510,7 +511,7 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, None, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes),
+                     (*common, dk4, dv4, None, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
@@ -518,19 +519,25 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     return dkdv, dq
 
 
+def one_pass_rows(n_queries: int) -> int:
+    """Rows of the one-pass dQ accumulator per (batch, head): n_queries rounded up to whole 128-row tiles."""
+    return triton.cdiv(n_queries, 128) * 128
+
+
 def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, sm_scale: float) -> GluonPass:
     """The one-pass backward over `eligible` (batch, heads, seq, d) tensors: dK and dV written, dQ (scaled)
-    added into dq_accum, fp32 (batch x heads, n_queries, d) and zeroed; D must be written first."""
+    added into dq_accum, zeroed fp32 (batch x heads, `one_pass_rows(n_queries)`, d); D must be written first."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    if dq_accum.shape != (batch * heads, n_queries, head_dim) or not dq_accum.is_contiguous():
-        raise ValueError(f"dq_accum: got shape {tuple(dq_accum.shape)}; expected a contiguous "
-                         f"{(batch * heads, n_queries, head_dim)} fp32 buffer")
+    expected = (batch * heads, one_pass_rows(n_queries), head_dim)
+    if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
+        raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
+                         f"fp32 buffer of shape {expected}")
     strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
     sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),
-                      *_row_strides(dv4), *sizes),
+                      *_row_strides(dv4), *sizes, expected[1]),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

@@ -239,7 +239,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
-    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.eligible(q4)
+    # A single query row (the JIT makes n_queries the constant 1) gave a wrong dQ in the Gluon one-pass kernel
+    # without a causal mask (GPU run of 4d8209e3db96; n_queries 2..65 agreed exactly): it takes the tl kernel.
+    gluon_one_pass_ok = (gluon is not False and not use_tma and n_queries > 1 and hopper_backward.eligible(q4)
                          and tma_eligible(q4, k4, v4, do4, dk4, dv4))
     if gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok:
         fused = True  # measured faster than the two Gluon passes at this head dim (hopper_backward.py)

@@ -288,9 +288,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
                             best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
-                            best_fused_gluon_bwd=min(best.get(k, float("nan")) for k in
-                                                     ("fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
-                                                      "fused-gluon-atomic")) + preprocess,
+                            best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+                                                               "fused-gluon-atomic"]).min() + preprocess,
                             best_gluon_bwd=best.get("dkdv-gluon", float("nan")) + best.get("dq-gluon", float("nan"))
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),

@@ -239,29 +239,30 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
-    # A single query row (the JIT makes n_queries the constant 1) gave a wrong dQ in the Gluon one-pass kernel
-    # without a causal mask (GPU run of 4d8209e3db96; n_queries 2..65 agreed exactly): it takes the tl kernel.
-    gluon_one_pass_ok = (gluon is not False and not use_tma and n_queries > 1 and hopper_backward.eligible(q4)
+    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
                          and tma_eligible(q4, k4, v4, do4, dk4, dv4))
     if gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok:
         fused = True  # measured faster than the two Gluon passes at this head dim (hopper_backward.py)
     if fused:
-        dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
-        dkdv = KernelLaunch(flash_bwd_fused_kernel,
-                            (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
-                            flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
-        accum_scale = sm_scale
-        if gluon_one_pass_ok:
+        if gluon_one_pass_ok:  # adds dQ already scaled, into whole tiles of rows
             _install_descriptor_allocator(q.device)
             dq_accum = torch.zeros(batch * heads, hopper_backward.one_pass_rows(n_queries), head_dim, device=q.device,
                                    dtype=torch.float32)
             dkdv = hopper_backward.fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
-            accum_scale = 1.0  # the Gluon pass adds dQ already scaled
+            accum_scale = None
+        else:
+            dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
+            dkdv = KernelLaunch(flash_bwd_fused_kernel,
+                                (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                                flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
+            accum_scale = sm_scale
 
         def finish():
             dq = torch.empty_like(q)  # in q's layout, as the other gradients
             accum = dq_accum[:, :n_queries, :head_dim]
-            dq.copy_((accum.mul_(accum_scale) if accum_scale != 1.0 else accum).view(q.shape))
+            if accum_scale is not None:
+                accum = accum.mul_(accum_scale)
+            dq.copy_(accum.view(q.shape))  # (batch*heads, ..) -> q's dims
             return dq, dk, dv
 
         return preprocess, dkdv, None, finish

@@ -255,8 +255,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
                             DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1, DQ_BUFFERS: gl.constexpr = 2):
     """One program per (key tile, batch x head): dK and dV of BLOCK_N keys. DQ_SPLIT > 0 makes it the
-    one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, n_queries, HEAD_DIM),
-    zeroed by the caller (`_add_dq_share`)."""
+    one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, dq_rows, HEAD_DIM),
+    zeroed by the caller, dq_rows >= n_queries in whole tiles (`_dk_and_dq_share`)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
@@ -501,13 +501,19 @@ def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)  # (batch, head, row); d is unit-stride (`eligible`)
 
 
+def _input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
+    """(row strides of Q, K, V, dO; sizes and scales) in the kernels' argument order."""
+    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
+    sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * 1.4426950408889634, sm_scale)
+    return strides, sizes
+
+
 def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float):
     """(dK/dV pass, dQ pass) over (batch, heads, seq, d) tensors that are `eligible`; D must be written
     (backward.py's preprocess) before they run."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
-    sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
+    strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
@@ -517,6 +523,14 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
                    DQ_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
+
+
+def one_pass_eligible(q: torch.Tensor) -> bool:
+    """Whether inputs like q (batch, heads, seq, d) can take the one-pass kernel: `eligible`, and more than
+    one query row. With one row (the JIT makes n_queries the constant 1) its dQ came out wrong without a
+    causal mask on the H200 (commit 4d8209e3db96; 2..65 rows agreed with the two passes exactly), root
+    cause not found; such inputs take the `tl` one-pass kernel."""
+    return eligible(q) and q.shape[-2] > 1
 
 
 def one_pass_rows(n_queries: int) -> int:
@@ -533,8 +547,7 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
         raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
                          f"fp32 buffer of shape {expected}")
-    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
-    sizes = (heads, n_queries, n_keys, sm_scale * 1.4426950408889634, sm_scale)
+    strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),

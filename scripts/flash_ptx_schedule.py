@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from cs336_systems.kernels.flash_attention import backward, forward, hopper_backward  # noqa: E402
+from cs336_systems.kernels.flash_attention import backward, forward, hopper_backward, hopper_forward  # noqa: E402
 
 DTYPES = {"bf16": "*bf16", "fp16": "*fp16"}
 SCALARS = ("qk_scale", "sm_scale")
@@ -52,6 +52,8 @@ def kernels(dtype: str) -> dict:
                         | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
                         {"KV_REGS": 0, "DQ_SPLIT": hopper_backward.FUSED_DQ_SPLIT[128], "DQ_TMA": 1, "DQ_BUFFERS": 2},
                         hopper_backward.FUSED_CONFIG[128]),
+        "forward-gluon": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
+                          | {"L": "*fp32"}, {}, hopper_forward.FORWARD_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DQ_CONFIG[128]),
     }
@@ -105,8 +107,8 @@ def parse_config(text: str) -> tuple[int, int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--kernel", default="forward,dkdv,dq,dkdv-gluon,dq-gluon,fused-gluon",
-                        help="comma-separated from: forward, dkdv, dq, dkdv-gluon, dq-gluon, fused-gluon")
+    parser.add_argument("--kernel", default="forward,forward-gluon,dkdv,dq,dkdv-gluon,dq-gluon,fused-gluon",
+                        help="comma-separated from: " + ", ".join(kernels("bf16")))
     parser.add_argument("--config", type=lambda s: [parse_config(c) for c in s.split(",")], default=None,
                         help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES (default: each kernel's first)")
     parser.add_argument("--d", type=int, default=128, choices=(16, 32, 64, 128, 256), help="head dim")

@@ -38,19 +38,21 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon",
-           "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+KERNELS = ("forward", "forward-tma", "forward-gluon", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic",
+           "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
            "fused-gluon-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
-# Q/K/V loads and the O store through tensor descriptors, `dkdv-tma` / `dq-tma` the backward passes with
-# their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper passes with asynchronous
-# products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128 only), `-k` / `-kv`
-# with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in Gluon (the dK/dV
-# pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2 column blocks;
-# `-atomic`: added from registers with pointer atomics instead).
-KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5,
+# Q/K/V loads and the O store through tensor descriptors, `forward-gluon` the Hopper forward with the softmax
+# overlapping the previous tile's P V product (kernels/flash_attention/hopper_forward.py); `dkdv-tma` / `dq-tma`
+# the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
+# passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
+# only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
+# Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
+# column blocks; `-atomic`: added from registers with pointer atomics instead).
+KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "dkdv": 2.0, "dkdv-tma": 2.0,
+                      "dq": 1.5, "dq-tma": 1.5,
                       "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0,
                       "dq-gluon": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
                       "fused-gluon-atomic": 2.5}
@@ -70,7 +72,11 @@ TILES["dq-tma"] = TILES["dq"]
 # The Gluon passes take 16 rows of their outer tile per warp (one warpgroup per 64 rows): the space is listed.
 # The one-pass Gluon backward's dQ share is a wgmma of BLOCK_M = 64 rows per warpgroup column block.
 FUSED_GLUON_SPACE = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3)]
+# Gluon forward: BLOCK_M = 64 rows per warpgroup; 128 x 128 on 8 warps uses 234 registers at d 128 (ptxas).
+FORWARD_GLUON_SPACE = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 4, 2),
+                       (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
 GLUON_SPACE = {
+    "forward-gluon": FORWARD_GLUON_SPACE,
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
@@ -135,10 +141,12 @@ def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
+    from cs336_systems.kernels.flash_attention.hopper_forward import GluonForward
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
-    forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True)
+    forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True, gluon=False)
+    forward_gluon, _, _ = forward_launch(q, k, v, causal, gluon=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)
     gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
@@ -150,6 +158,8 @@ def _launches(inputs, causal: bool) -> dict:
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
                     **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
                        "dq-tma": dq_tma})
+    if isinstance(forward_gluon, GluonForward):
+        launches["forward-gluon"] = forward_gluon
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon,
                      "dkdv-gluon-k": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=1)),
@@ -286,7 +296,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         preprocess = whole.get(("triton", "preprocess"), 0.0)
         best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + preprocess
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
-                            best_fwd_tma=best.get("forward-tma"), best_bwd=best_bwd,
+                            best_fwd_tma=best.get("forward-tma"), best_fwd_gluon=best.get("forward-gluon"),
+                            best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
                                                                "fused-gluon-atomic"]).min() + preprocess,

@@ -379,8 +379,8 @@ def attention_tuning(doc: Document, r: Results) -> None:
     shape = ["batch", "heads", "seq", "d"]
     times = latest(tune[tune["metric"] == "time"], ["provider", *shape, "kernel", "block_m", "block_n",
                                                     "num_warps", "num_stages"])
-    kernels = times[times["kernel"].isin(["forward", "forward-tma", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused",
-                                          "fused-atomic"])]
+    kernels = times[times["kernel"].isin(["forward", "forward-tma", "forward-gluon", "dkdv", "dkdv-tma", "dkdv-gluon",
+                                          "dq", "dq-tma", "dq-gluon", "fused", "fused-atomic", "fused-gluon"])]
     ok = kernels[kernels["status"] == "ok"]
     best = ok.sort_values("median").groupby([*shape, "kernel"], as_index=False).first()
     counts = kernels.groupby([*shape, "kernel"]).agg(timed=("status", lambda x: int((x == "ok").sum())),

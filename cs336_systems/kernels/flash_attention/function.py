@@ -20,7 +20,7 @@ import triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
-from cs336_systems.kernels.flash_attention import hopper_backward
+from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_bwd_fused_kernel,
@@ -109,13 +109,16 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   use_tma: bool | None = None):
+                   use_tma: bool | None = None, gluon: bool | None = None):
     """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
 
     use_tma: load Q/K/V and store O through tensor descriptors (the copy engine) where the inputs
     qualify (`tma_eligible`). None (default): on Hopper and later, where `cs336-bench attention-tune`
     measured it faster (H200, bf16 causal: 16.2 against 17.7 ms at 1x32x32768x128, 10.7 against 10.9 ms
-    at 4x32x16384x64; results/attention-tune.jsonl)."""
+    at 4x32x16384x64; results/attention-tune.jsonl).
+    gluon: the Gluon forward (hopper_forward.py: the softmax overlapping the previous tile's P V product)
+    where the inputs qualify (`hopper_backward.eligible` and TMA strides). None (default): where
+    `hopper_forward.GLUON_HEAD_DIMS` says it measured faster; False: never (use_tma=False implies it)."""
     if use_tma is None:
         use_tma = _has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -124,6 +127,10 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     out = torch.empty_like(q)  # q's layout: for the model's head view of (batch, seq, heads, d), merging
     o4 = _as_4d(out)            # the heads back afterwards is a view, not a copy
     lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
+            and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
+        _install_descriptor_allocator(q.device)
+        return hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim)), out, lse
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E / math.sqrt(head_dim)
     args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),

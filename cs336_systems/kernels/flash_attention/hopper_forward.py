@@ -1,0 +1,243 @@
+"""FlashAttention-2 forward on Hopper, in Gluon: forward.py's kernel with the softmax of one key tile
+overlapping the P V product of the tile before it (FA3's intra-warpgroup pipelining).
+
+Why a second version: Triton 3.6's `tl.dot` pipeliner waits for each product whose result the loop
+reads (`scripts/flash_ptx_schedule.py`: `W8|0 e66 W8|0` per step at d 128), so within a warpgroup the
+exponentials and the tensor cores take turns. Each step here, with P_{j-1} carried in registers:
+
+    issue S_j = Q K_j^T                           tensor cores busy
+    issue O += P_{j-1} V_{j-1}                    queued behind S_j
+    wait until one is left                        S_j is ready; O's product still runs
+    m, P_j, l from S_j (exp2, scale folded in)    the exponentials overlap P_{j-1} V_{j-1}
+    wait for O; O *= exp2(m_old - m)
+
+The first key tile is scored before the loop and the last P V product is issued after it. K and V
+tiles stream through two rings of STAGES shared-memory buffers filled by TMA and signalled by
+mbarriers: K_j's slot is refilled once S_j has retired in every warp, V's one step later. The masked
+tiles (causal diagonal, ragged end) keep forward.py's semantics: -1e6 added to masked scores, keys
+past n_keys excluded; fully masked tiles are never visited.
+
+Scope: as hopper_backward.py (`eligible`): Hopper, fp16/bf16, head dim 64 or 128, TMA-eligible
+strides, any lengths. The rest takes forward.py's kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.kernels.flash_attention.hopper_backward import LOG2E, _row_tiles
+
+MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forward.py's -1e6, log2 units
+
+# (BLOCK_M, BLOCK_N, warps, stages) per head dim: 16 query rows per warp (a warpgroup per 64 rows).
+FORWARD_CONFIG = {64: (128, 128, 8, 2), 128: (128, 128, 8, 2)}
+# Head dims where the default forward is this kernel (`function.forward_launch`); forward.py's elsewhere.
+GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
+
+
+@gluon.jit
+def _fill_tile(bars, smem, desc, tile, end_tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Start copying key tile `tile` of one matrix (K or V) into its ring slot (nothing past end_tile)."""
+    slot = tile % STAGES
+    pred = tile < end_tile
+    mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [tile * BLOCK_N, 0], bars.index(slot), smem.index(slot), pred=pred)
+
+
+@gluon.jit
+def _wait_tile(bars, tile, STAGES: gl.constexpr):
+    mbarrier.wait(bars.index(tile % STAGES), (tile // STAGES) & 1)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """(P, alpha, m, l) of raw scores S for one key tile: m the running row max in log2 units, alpha the
+    factor that rescales what was accumulated under the old max. Unmasked tiles fold the scale into the
+    exponent's FMA."""
+    if MASKED:
+        s = s * qk_scale
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if IS_CAUSAL:
+            s = s + gl.where(offs_n[None, :] <= offs_m[:, None], 0.0, MASK_VALUE_LOG2)
+        s = gl.where(offs_n[None, :] < n_keys, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _key_tiles(acc, m_i, l_i, p_op, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, offs_m, start_tile,
+               end_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Fold key tiles [start_tile, end_tile) into (acc, m_i, l_i); p_op is the previous tile's P, whose
+    P V product each step issues behind its own S."""
+    BLOCK_M: gl.constexpr = q_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    dtype: gl.constexpr = k_desc.dtype
+    for tile in range(start_tile, end_tile):
+        _wait_tile(k_bars, tile, STAGES)
+        s = warpgroup_mma(q_smem, k_smem.index(tile % STAGES).permute((1, 0)),
+                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        _wait_tile(v_bars, tile - 1, STAGES)
+        acc = warpgroup_mma(p_op, v_smem.index((tile - 1) % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        # Every warp is past S_j (K_j's slot is free) and past the P V product of the step before
+        # (V_{j-2}'s slot is free): refill both.
+        gl.thread_barrier()
+        _fill_tile(k_bars, k_smem, k_desc, tile + STAGES, last_tile, BLOCK_N, STAGES)
+        _fill_tile(v_bars, v_smem, v_desc, tile + STAGES - 2, last_tile, BLOCK_N, STAGES)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
+                                           s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
+    return acc, m_i, l_i, p_op
+
+
+@gluon.jit
+def flash_forward_gluon_kernel(Q, K, V, O, L,
+                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                               n_heads, n_queries, n_keys, qk_scale,
+                               IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One program per (query tile, batch x head): O and L of BLOCK_M queries. qk_scale is
+    log2(e) / sqrt(d): scores in log2 units."""
+    gl.static_assert(STAGES >= 2, "the V ring is refilled one step behind the K ring")
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
+    # Causal: the query tiles that see the most keys start first, so the grid's tail is short.
+    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    m0 = query_tile * BLOCK_M
+    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_bars.index(slot), count=1)
+        mbarrier.init(v_bars.index(slot), count=1)
+
+    # Key tiles visited: causal stops after the diagonal (the early exit); the loop split below needs
+    # BLOCK_M % BLOCK_N == 0 so that the tiles before m0 are seen in full by every query of the tile.
+    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
+    last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    for ahead in gl.static_range(STAGES):
+        _fill_tile(k_bars, k_smem, k_desc, ahead, last_tile, BLOCK_N, STAGES)
+    for ahead in gl.static_range(STAGES - 2):
+        _fill_tile(v_bars, v_smem, v_desc, ahead, last_tile, BLOCK_N, STAGES)
+
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)  # a plain tensor: the loop waits for it each step
+
+    # Key tile 0, before the loop: scored and exponentiated (masked, which is exact where nothing is).
+    mbarrier.wait(q_bar, 0)
+    _wait_tile(k_bars, 0, STAGES)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    gl.thread_barrier()
+    _fill_tile(k_bars, k_smem, k_desc, STAGES, last_tile, BLOCK_N, STAGES)
+    _fill_tile(v_bars, v_smem, v_desc, STAGES - 2, last_tile, BLOCK_N, STAGES)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), op_layout)
+
+    # Tiles every query of the tile sees in full (no index comparisons), then the diagonal and ragged ones.
+    full_tiles_end = n_keys // BLOCK_N
+    unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end) if IS_CAUSAL else full_tiles_end
+    unmasked_end = gl.maximum(unmasked_end, 1)
+    acc, m_i, l_i, p_op = _key_tiles(acc, m_i, l_i, p_op, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
+                                     offs_m, 1, unmasked_end, last_tile, n_keys, qk_scale, False, IS_CAUSAL, STAGES,
+                                     s_layout, op_layout)
+    acc, m_i, l_i, p_op = _key_tiles(acc, m_i, l_i, p_op, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
+                                     offs_m, unmasked_end, last_tile, last_tile, n_keys, qk_scale, True, IS_CAUSAL,
+                                     STAGES, s_layout, op_layout)
+    # The last tile's P V product.
+    _wait_tile(v_bars, last_tile - 1, STAGES)
+    acc = warpgroup_mma(p_op, v_smem.index((last_tile - 1) % STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    mbarrier.invalidate(q_bar)
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bars.index(slot))
+        mbarrier.invalidate(v_bars.index(slot))
+    # Q's buffer takes O on its way out (TMA clips rows past n_queries).
+    l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
+    gl.thread_barrier()
+    o_desc = _row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
+    q_smem.store((acc / l_acc[:, None]).to(dtype))
+    gl.thread_barrier()
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [m0, 0], q_smem)
+    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log, as the backward reads it
+    gl.store(L + batch_head.to(gl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
+    tma.store_wait(pendings=0)
+
+
+@dataclass
+class GluonForward:
+    """The Gluon forward's arguments and config (BLOCK_M, BLOCK_N, warps, stages), launched like
+    forward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants)."""
+
+    args: tuple
+    flags: dict
+    config: tuple[int, int, int, int]
+    grid: object  # (BLOCK_M, BLOCK_N) -> grid
+
+    def __call__(self):
+        self.with_config(*self.config)()
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        def launch():
+            flash_forward_gluon_kernel[self.grid(block_m, block_n)](
+                *self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps)
+        return launch
+
+
+def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
+                 is_causal: bool, sm_scale: float) -> GluonForward:
+    """The forward over (batch, heads, seq, d) tensors that are `hopper_backward.eligible` and TMA-eligible;
+    O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs."""
+    batch, heads, n_queries, head_dim = q4.shape
+    strides = tuple(s for t in (q4, k4, v4, o4) for s in (t.stride(0), t.stride(1), t.stride(2)))
+    args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * 1.4426950408889634)
+    return GluonForward(args, dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), FORWARD_CONFIG[head_dim],
+                        lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))

@@ -53,7 +53,9 @@ def kernels(dtype: str) -> dict:
                         {"KV_REGS": 0, "DQ_SPLIT": hopper_backward.FUSED_DQ_SPLIT[128], "DQ_TMA": 1, "DQ_BUFFERS": 2},
                         hopper_backward.FUSED_CONFIG[128]),
         "forward-gluon": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
-                          | {"L": "*fp32"}, {}, hopper_forward.FORWARD_CONFIG[128]),
+                          | {"L": "*fp32"}, {"RESCALE_EARLY": True}, hopper_forward.FORWARD_CONFIG[128]),
+        "forward-gluon-late": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
+                               | {"L": "*fp32"}, {"RESCALE_EARLY": False}, hopper_forward.FORWARD_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {}, hopper_backward.DQ_CONFIG[128]),
     }
@@ -126,7 +128,7 @@ def main() -> None:
     for name in names:
         fn, pointers, extra, shipped = table[name]
         for bm, bn, warps, stages in args.config or [shipped]:
-            gluon = name.endswith("-gluon")
+            gluon = "-gluon" in name
             if gluon:  # pipelining is written out in the kernel: STAGES is its ring of buffers
                 constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
                                   **extra)

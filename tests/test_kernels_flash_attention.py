@@ -584,8 +584,11 @@ def test_gluon_forward_matches_reference(shape, causal, dtype):
 @requires_hopper
 @pytest.mark.parametrize("d", [64, 128])
 def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
-    """Every config attention-tune times, on strided head views of (batch, seq, heads x d) with a ragged
-    length, causal and not: O in q's layout and within budget, L to fp32 rounding."""
+    """Every config attention-tune times (both rescale placements), on strided head views of (batch, seq,
+    heads x d) with a ragged length, causal and not: O in q's layout and within budget, L to fp32 rounding."""
+    import dataclasses
+    import itertools
+
     import triton
 
     from cs336_systems.bench.attention_tuning import FORWARD_GLUON_SPACE
@@ -599,17 +602,18 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
     for causal in (False, True):
         exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         low = naive_attention(q, k, v, causal, upcast=False)
-        for config in FORWARD_GLUON_SPACE:
+        for config, early in itertools.product(FORWARD_GLUON_SPACE, (True, False)):
             launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
+            launch = dataclasses.replace(launch, flags=launch.flags | dict(RESCALE_EARLY=early))
             try:
                 launch.with_config(*config)()
             except triton.runtime.errors.OutOfResources:
                 continue  # e.g. 3 stages of 128-row tiles at d 128: attention-tune records these as unsupported
             checked += 1
             assert out.stride() == q.stride(), config
-            assert_within_budget(f"out {config} causal={causal}", out, exact, low)
-            assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, config
-    assert checked >= 12, checked  # most of the space fits
+            assert_within_budget(f"out {config} early={early} causal={causal}", out, exact, low)
+            assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, (config, early)
+    assert checked >= 24, checked  # most of the space fits
 
 
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():

@@ -38,9 +38,9 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "dkdv", "dkdv-tma", "dq", "dq-tma", "fused", "fused-atomic",
-           "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
-           "fused-gluon-atomic")
+KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "dkdv", "dkdv-tma", "dq", "dq-tma",
+           "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon",
+           "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
@@ -300,7 +300,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         preprocess = whole.get(("triton", "preprocess"), 0.0)
         best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + preprocess
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
-                            best_fwd_tma=best.get("forward-tma"), best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late"]).min(),
+                            best_fwd_tma=best.get("forward-tma"),
+                            best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late"]).min(),
                             best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",

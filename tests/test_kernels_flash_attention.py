@@ -498,6 +498,36 @@ def test_gluon_backward_agrees_with_tl_passes_on_the_models_head_views(causal):
 
 
 @requires_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_gluon_register_operand_variants_agree_with_tl_passes(d):
+    """K/V (dK/dV pass) and Q/dO (dQ pass) held in registers for the first two products, every choice that
+    attention-tune times: the same gradients as the `tl` passes (ragged length, causal, strided head views)."""
+    import dataclasses
+
+    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+
+    torch.manual_seed(5)
+    batch, seq, heads = 2, 700, 3
+    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
+                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    out, lse = flash_forward(q, k, v, True)
+    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=False)
+    preprocess()
+    dkdv()
+    dq_pass()
+    want_dq, want_dk, want_dv = finish()
+    for regs in (0, 1, 2):
+        preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=True)
+        preprocess()
+        dataclasses.replace(dkdv, flags=dkdv.flags | dict(KV_REGS=regs))()
+        dataclasses.replace(dq_pass, flags=dq_pass.flags | dict(QDO_REGS=regs))()
+        for name, want, got in zip(("dq", "dk", "dv"), (want_dq, want_dk, want_dv), finish()):
+            scale = want.float().abs().max().item()
+            error = (got.float() - want.float()).abs().max().item()
+            assert error <= 2 ** -6 * scale, (name, regs, error, scale)
+
+
+@requires_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)

@@ -39,8 +39,8 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "dkdv", "dkdv-tma", "dq", "dq-tma",
-           "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "fused-gluon",
-           "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
+           "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "dq-gluon-q",
+           "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
@@ -53,10 +53,9 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "dkd
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
 # column blocks; `-atomic`: added from registers with pointer atomics instead).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
-                      "dkdv": 2.0, "dkdv-tma": 2.0,
-                      "dq": 1.5, "dq-tma": 1.5,
-                      "fused": 2.5, "fused-atomic": 2.5, "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0,
-                      "dq-gluon": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
+                      "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
+                      "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
+                      "dq-gluon-qdo": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
                       "fused-gluon-atomic": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
@@ -87,6 +86,8 @@ GLUON_SPACE = {
     "dkdv-gluon-kv": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
     "dq-gluon": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
                  (128, 128, 8, 2)],
+    "dq-gluon-q": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
+    "dq-gluon-qdo": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
 }
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
 
@@ -160,18 +161,19 @@ def _launches(inputs, causal: bool) -> dict:
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
                     **{"fused-atomic": fused_atomic, "forward-tma": forward_tma, "dkdv-tma": dkdv_tma,
                        "dq-tma": dq_tma})
+    def variant(launch, **flags):  # the same launch with other compile-time flags
+        return dataclasses.replace(launch, flags=launch.flags | flags)
+
     if isinstance(forward_gluon, GluonForward):
-        launches["forward-gluon"] = forward_gluon
-        launches["forward-gluon-late"] = dataclasses.replace(forward_gluon,
-                                                             flags=forward_gluon.flags | dict(RESCALE_EARLY=False))
+        launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
+        launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
-        launches |= {"dkdv-gluon": dkdv_gluon, "dq-gluon": dq_gluon,
-                     "dkdv-gluon-k": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=1)),
-                     "dkdv-gluon-kv": dataclasses.replace(dkdv_gluon, flags=dkdv_gluon.flags | dict(KV_REGS=2)),
-                     "fused-gluon": gluon_fused,
-                     "fused-gluon-s1": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=1)),
-                     "fused-gluon-s2": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_SPLIT=2)),
-                     "fused-gluon-atomic": dataclasses.replace(gluon_fused, flags=gluon_fused.flags | dict(DQ_TMA=0))}
+        launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
+                     "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),
+                     "dq-gluon-q": variant(dq_gluon, QDO_REGS=1), "dq-gluon-qdo": variant(dq_gluon, QDO_REGS=2),
+                     "fused-gluon": gluon_fused, "fused-gluon-s1": variant(gluon_fused, DQ_SPLIT=1),
+                     "fused-gluon-s2": variant(gluon_fused, DQ_SPLIT=2),
+                     "fused-gluon-atomic": variant(gluon_fused, DQ_TMA=0)}
     return launches
 
 
@@ -306,7 +308,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
                                                                "fused-gluon-atomic"]).min() + preprocess,
-                            best_gluon_bwd=best.get("dkdv-gluon", float("nan")) + best.get("dq-gluon", float("nan"))
+                            best_gluon_bwd=best.reindex(["dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv"]).min()
+                            + best.reindex(["dq-gluon", "dq-gluon-q", "dq-gluon-qdo"]).min()
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
                             shipped_tl_bwd=whole.get(("triton-tl-bwd", "bwd")),

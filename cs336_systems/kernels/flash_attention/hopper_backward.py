@@ -63,7 +63,11 @@ FUSED_CONFIG = {64: (64, 64, 4, 2), 128: (64, 128, 8, 2)}
 FUSED_DQ_SPLIT = {64: 1, 128: 2}
 # KV_REGS of the dK/dV pass: 0 reads K and V from shared memory in S^T = K Q^T and dP^T = V dO^T, 1 holds K in
 # registers, 2 both (the products then read only Q^T / dO^T from shared memory, half the bytes per FLOP).
-DKDV_KV_REGS = {64: 0, 128: 0}
+# At d 64 both (attention-tune, dkdv-gluon-kv, a31dbf12a106: 16.42 against 17.29 ms at 4x32x16384x64); at d 128
+# neither (K and V in registers spill there: 44.2 against 29.4 ms at 1x32x32768x128).
+DKDV_KV_REGS = {64: 2, 128: 0}
+# QDO_REGS of the dQ pass, the same choice for Q and dO in S = Q K^T and dP = dO V^T.
+DQ_QDO_REGS = {64: 0, 128: 0}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")
@@ -366,13 +370,13 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
 
 @gluon.jit
-def _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
+def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
                   start_tile, end_tile, first_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, op_layout: gl.constexpr):
-    """Add key tiles [start_tile, end_tile) to one query tile's dQ."""
+    """Add key tiles [start_tile, end_tile) to one query tile's dQ. q_op / do_op: Q and dO in shared memory
+    or in registers (`flash_dq_gluon_kernel`'s QDO_REGS)."""
     dtype: gl.constexpr = k_desc.dtype
-    BLOCK_M: gl.constexpr = q_smem.shape[0]
     for tile in range(start_tile, end_tile):
         step = tile - first_tile
         slot = step % STAGES
@@ -380,8 +384,8 @@ def _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse
         k_tile = k_smem.index(slot)
         v_tile = v_smem.index(slot)
         zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_smem, v_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_op, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_op, v_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
         _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
@@ -406,8 +410,10 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
                           stride_dqb, stride_dqh, stride_dqn,
                           n_heads, n_queries, n_keys, qk_scale, sm_scale,
                           IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One program per (query tile, batch x head): dQ of BLOCK_M queries."""
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QDO_REGS: gl.constexpr = 0):
+    """One program per (query tile, batch x head): dQ of BLOCK_M queries. QDO_REGS: 0 reads Q and dO from
+    shared memory in S = Q K^T and dP = dO V^T, 1 holds Q in registers, 2 both (the products then read only
+    K^T / V^T from shared memory: half the bytes per FLOP; DQ_QDO_REGS)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -450,18 +456,28 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(q_bar, 0)
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    if QDO_REGS == 2:
+        q_op = q_smem.load(operand)
+        do_op = do_smem.load(operand)
+    elif QDO_REGS == 1:
+        q_op = q_smem.load(operand)
+        do_op = do_smem
+    else:
+        q_op = q_smem
+        do_op = do_smem
 
     full_tiles_end = n_keys // BLOCK_N
     if IS_CAUSAL:
         unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end)
     else:
         unmasked_end = full_tiles_end
-    dq = _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m, 0,
-                       unmasked_end, 0, last_tile, n_keys, qk_scale, False, IS_CAUSAL, BLOCK_N, STAGES, s_layout,
-                       op_layout)
-    dq = _dq_key_tiles(dq, q_smem, do_smem, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
-                       unmasked_end, last_tile, 0, last_tile, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, STAGES,
+    dq = _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m, 0,
+                       unmasked_end, 0, last_tile, n_keys, qk_scale, False, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES,
                        s_layout, op_layout)
+    dq = _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
+                       unmasked_end, last_tile, 0, last_tile, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_M, BLOCK_N,
+                       STAGES, s_layout, op_layout)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
 
     mbarrier.invalidate(q_bar)
@@ -520,8 +536,9 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
                      (*common, dk4, dv4, None, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
-    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes), flags,
-                   DQ_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes),
+                   flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
+                   lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
 
 

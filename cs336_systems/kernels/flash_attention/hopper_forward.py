@@ -41,10 +41,15 @@ from cs336_systems.kernels.flash_attention.hopper_backward import LOG2E, _row_ti
 
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forward.py's -1e6, log2 units
 
-# (BLOCK_M, BLOCK_N, warps, stages) per head dim: 16 query rows per warp (a warpgroup per 64 rows).
-FORWARD_CONFIG = {64: (128, 128, 8, 2), 128: (128, 128, 8, 2)}
-# Head dims where the default forward is this kernel (`function.forward_launch`); forward.py's elsewhere.
-GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
+# (BLOCK_M, BLOCK_N, warps, stages) and RESCALE_EARLY per head dim: 16 query rows per warp (a warpgroup per 64
+# rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; commit
+# a31dbf12a106, H200, bf16 causal): 10.36 ms at 4x32x16384x64 against 10.55 for forward.py's best on
+# descriptors; at 1x32x32768x128 16.83 against 16.12 ms.
+FORWARD_CONFIG = {64: (64, 128, 4, 2), 128: (128, 128, 8, 2)}
+FORWARD_RESCALE_EARLY = {64: False, 128: True}
+# Head dims where the default forward is this kernel (`function.forward_launch`): where it measured faster
+# than forward.py's (above); forward.py's elsewhere.
+GLUON_HEAD_DIMS: tuple[int, ...] = (64,)
 
 
 @gluon.jit
@@ -256,5 +261,6 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     batch, heads, n_queries, head_dim = q4.shape
     strides = tuple(s for t in (q4, k4, v4, o4) for s in (t.stride(0), t.stride(1), t.stride(2)))
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * 1.4426950408889634)
-    return GluonForward(args, dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), FORWARD_CONFIG[head_dim],
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
+    return GluonForward(args, flags, FORWARD_CONFIG[head_dim],
                         lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))

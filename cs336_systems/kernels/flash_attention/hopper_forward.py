@@ -45,11 +45,11 @@ MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forwa
 # rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; commit
 # a31dbf12a106, H200, bf16 causal): 10.36 ms at 4x32x16384x64 against 10.55 for forward.py's best on
 # descriptors; at 1x32x32768x128 16.83 against 16.12 ms.
-FORWARD_CONFIG = {64: (64, 128, 4, 2), 128: (128, 128, 8, 2)}
+FORWARD_CONFIG = {64: (64, 128, 4, 2), 128: (128, 128, 8, 3)}
 FORWARD_RESCALE_EARLY = {64: False, 128: True}
 # Head dims where the default forward is this kernel (`function.forward_launch`): where it measured faster
 # than forward.py's (above); forward.py's elsewhere.
-GLUON_HEAD_DIMS: tuple[int, ...] = (64,)
+GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
 
 
 @gluon.jit

@@ -66,7 +66,8 @@ FUSED_DQ_SPLIT = {64: 1, 128: 2}
 # At d 64 both (attention-tune, dkdv-gluon-kv, a31dbf12a106: 16.42 against 17.29 ms at 4x32x16384x64); at d 128
 # neither (K and V in registers spill there: 44.2 against 29.4 ms at 1x32x32768x128).
 DKDV_KV_REGS = {64: 2, 128: 0}
-# QDO_REGS of the dQ pass, the same choice for Q and dO in S = Q K^T and dP = dO V^T.
+# QDO_REGS of the dQ pass, the same choice for Q and dO in S = Q K^T and dP = dO V^T: neither, as measured
+# (attention-tune, 60230c299994, 1x32x32768x128: 19.03 ms in shared memory, 19.85 with Q, 20.50 with both).
 DQ_QDO_REGS = {64: 0, 128: 0}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).

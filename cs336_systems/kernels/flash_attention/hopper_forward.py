@@ -42,9 +42,10 @@ from cs336_systems.kernels.flash_attention.hopper_backward import LOG2E, _row_ti
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forward.py's -1e6, log2 units
 
 # (BLOCK_M, BLOCK_N, warps, stages) and RESCALE_EARLY per head dim: 16 query rows per warp (a warpgroup per 64
-# rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; commit
-# a31dbf12a106, H200, bf16 causal): 10.36 ms at 4x32x16384x64 against 10.55 for forward.py's best on
-# descriptors; at 1x32x32768x128 16.83 against 16.12 ms.
+# rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; H200, bf16 causal,
+# results/attention-tune.jsonl): 10.36 ms at 4x32x16384x64 against 10.55 for forward.py's best on descriptors
+# (a31dbf12a106); 15.36 against 15.58 ms for forward.py as shipped at 1x32x32768x128 (60230c299994, after
+# `_refill` took one CTA barrier out of each step).
 FORWARD_CONFIG = {64: (64, 128, 4, 2), 128: (128, 128, 8, 3)}
 FORWARD_RESCALE_EARLY = {64: False, 128: True}
 # Head dims where the default forward is this kernel (`function.forward_launch`): where it measured faster

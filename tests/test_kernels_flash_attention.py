@@ -646,15 +646,43 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
     assert checked >= 24, checked  # most of the space fits
 
 
+@requires_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_warp_specialised_forward_matches_reference(shape, causal):
+    """The experimental warp-specialised forward (attention-tune kernel forward-gluon-ws), every tuned config:
+    O within PyTorch's own bf16 error of the fp64 reference, L to fp32 rounding."""
+    import triton
+
+    from cs336_systems.bench.attention_tuning import GLUON_SPACE
+    from cs336_systems.kernels.flash_attention.function import forward_launch
+
+    q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))
+    exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+    low = naive_attention(q, k, v, causal, upcast=False)
+    checked = 0
+    for config in GLUON_SPACE["forward-gluon-ws"]:
+        launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
+        try:
+            launch.warp_specialised().with_config(*config)()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        checked += 1
+        assert_within_budget(f"out {config}", out, exact, low)
+        assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, config
+    assert checked >= 3, checked
+
+
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
     """The point of the Gluon passes, checked from their PTX on any machine: the waits leave one product in
     flight (`wgmma.wait_group 1`), where the `tl` passes wait for everything (`wgmma.wait_group 0`)."""
     import re
 
-    done = _run_ptx_script("--kernel", "dkdv-gluon,dq-gluon,fused-gluon,forward-gluon,dkdv", "--d", "64")
+    done = _run_ptx_script("--kernel", "dkdv-gluon,dq-gluon,fused-gluon,forward-gluon,forward-gluon-ws,dkdv", "--d",
+                           "64")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
-    for name in ("dkdv-gluon", "dq-gluon", "fused-gluon", "forward-gluon"):
+    for name in ("dkdv-gluon", "dq-gluon", "fused-gluon", "forward-gluon", "forward-gluon-ws"):
         assert int(re.search(r"TMA (\d+)", lines[name]).group(1)) > 0, lines[name]
         assert "|1" in lines[name], lines[name]
     assert "|1" not in lines["dkdv"], lines["dkdv"]

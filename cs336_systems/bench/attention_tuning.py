@@ -38,21 +38,23 @@ from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 
-KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "dkdv", "dkdv-tma", "dq", "dq-tma",
-           "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon", "dq-gluon-q",
-           "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
+KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
+           "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
+           "dq-gluon-q", "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `forward-gluon` the Hopper forward with the softmax
 # overlapping the previous tile's P V product (kernels/flash_attention/hopper_forward.py; `-late`: acc rescaled
-# after that product instead of while the next S runs); `dkdv-tma` / `dq-tma`
+# after that product instead of while the next S runs; `-ws`: warp-specialised, a producer warp and two consumer
+# warpgroups); `dkdv-tma` / `dq-tma`
 # the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
 # passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
 # only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
 # column blocks; `-atomic`: added from registers with pointer atomics instead).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
+                      "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
                       "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
                       "dq-gluon-qdo": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
@@ -78,6 +80,8 @@ FORWARD_GLUON_SPACE = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128
                        (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
 GLUON_SPACE = {
     "forward-gluon": FORWARD_GLUON_SPACE, "forward-gluon-late": FORWARD_GLUON_SPACE,
+    # warps: the first consumer's (the default partition); BLOCK_M is two consumers' 64 rows.
+    "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
@@ -167,6 +171,7 @@ def _launches(inputs, causal: bool) -> dict:
     if isinstance(forward_gluon, GluonForward):
         launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
         launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
+        launches["forward-gluon-ws"] = forward_gluon.warp_specialised()
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),
@@ -303,7 +308,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         best_bwd = best.get("dkdv", float("nan")) + best.get("dq", float("nan")) + preprocess
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
                             best_fwd_tma=best.get("forward-tma"),
-                            best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late"]).min(),
+                            best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late",
+                                                         "forward-gluon-ws"]).min(),
                             best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",

@@ -254,21 +254,29 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
 @dataclass
 class GluonForward:
     """The Gluon forward's arguments and config (BLOCK_M, BLOCK_N, warps, stages), launched like
-    forward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants)."""
+    forward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants). `warp_specialised`
+    returns the same launch on `flash_forward_ws_kernel` (its flags; warps = the default partition's 4)."""
 
     args: tuple
     flags: dict
     config: tuple[int, int, int, int]
     grid: object  # (BLOCK_M, BLOCK_N) -> grid
+    kernel: object = None  # None: flash_forward_gluon_kernel
 
     def __call__(self):
         self.with_config(*self.config)()
 
     def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        kernel = self.kernel or flash_forward_gluon_kernel
+
         def launch():
-            flash_forward_gluon_kernel[self.grid(block_m, block_n)](
+            kernel[self.grid(block_m, block_n)](
                 *self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps)
         return launch
+
+    def warp_specialised(self) -> GluonForward:
+        flags = {name: self.flags[name] for name in ("IS_CAUSAL", "HEAD_DIM")}
+        return GluonForward(self.args, flags, (128, 128, 4, 2), self.grid, flash_forward_ws_kernel)
 
 
 def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
@@ -281,3 +289,161 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
     return GluonForward(args, flags, FORWARD_CONFIG[head_dim],
                         lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+
+
+# ---- Experimental: the same forward, warp-specialised (FA3's producer / consumer split) ----
+# A one-warp producer partition streams Q, K and V through the rings, and two consumer warpgroups each own 64
+# query rows of the 128-row tile. A consumer releases a K or V slot to the producer with an mbarrier arrive, so
+# the consumers share no CTA barrier and drift apart: one can run its softmax while the other has the tensor
+# cores. Registers move from the producer to the consumers (`worker_num_regs`). attention-tune kernel
+# `forward-gluon-ws`; not a default.
+WS_CONSUMER_ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, m0,
+                 last_tile, STAGES: gl.constexpr):
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * WS_CONSUMER_ROWS, 0], q_bar, q_smem.index(half))
+    for tile in range(0, last_tile):
+        slot = tile % STAGES
+        free = ((tile // STAGES) & 1) ^ 1  # a fresh barrier counts as released once: the first round passes
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
+                  start_tile, end_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """`_key_tiles` (early rescale) for one consumer warpgroup, releasing slots by mbarrier instead of a CTA
+    barrier."""
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    dtype: gl.constexpr = k_smem.dtype
+    for tile in range(start_tile, end_tile):
+        slot = tile % STAGES
+        mbarrier.wait(k_ready.index(slot), (tile // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                          gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        acc = _rescale(acc, alpha)
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        previous = (tile - 1) % STAGES
+        mbarrier.wait(v_ready.index(previous), ((tile - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(previous), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
+                                           s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
+        mbarrier.arrive(v_empty.index(previous))
+    return acc, m_i, l_i, p, alpha
+
+
+@gluon.jit
+def _ws_consumer(half: gl.constexpr, o_desc, L, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                 lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    dtype: gl.constexpr = k_smem.dtype
+    rows0 = m0 + half * WS_CONSUMER_ROWS
+    q_tile = q_smem.index(half)
+    offs_m = rows0 + gl.arange(0, WS_CONSUMER_ROWS, layout=row_layout)
+    m_i = gl.full([WS_CONSUMER_ROWS], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([WS_CONSUMER_ROWS], gl.float32, row_layout)
+    acc = gl.zeros([WS_CONSUMER_ROWS, HEAD_DIM], gl.float32, acc_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)),
+                      gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
+    acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
+                                            v_ready, v_empty, offs_m, 1, unmasked_end, n_keys, qk_scale, False,
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
+    acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
+                                            v_ready, v_empty, offs_m, unmasked_end, last_tile, n_keys, qk_scale, True,
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
+    acc = _rescale(acc, alpha)
+    last = (last_tile - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((last_tile - 1) // STAGES) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), op_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(last))
+    # This warpgroup's Q buffer takes its O rows on the way out (TMA clips rows past n_queries).
+    l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
+    q_tile.store((acc / l_acc[:, None]).to(dtype))
+    gl.thread_barrier()  # (this partition's warps) every row is written before the copy engine reads the tile
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [rows0, 0], q_tile)
+    lse = (m_i + gl.log2(l_i)) / LOG2E
+    gl.store(lse_row + offs_m, lse, mask=offs_m < n_queries)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def flash_forward_ws_kernel(Q, K, V, O, L,
+                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                            n_heads, n_queries, n_keys, qk_scale,
+                            IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240):
+    """flash_forward_gluon_kernel's contract, warp-specialised: launched with num_warps=4 (the first consumer);
+    the second consumer (4 warps) and the producer (1 warp) are worker partitions. BLOCK_M must be 128.
+    CONSUMER_REGS: registers of the second consumer after reallocation; the first gets what the producer's 24 and
+    this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
+    gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
+    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    m0 = query_tile * BLOCK_M
+    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
+    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    o_desc = _row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        mbarrier.init(k_empty.index(slot), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(slot), count=2)
+
+    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
+    last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
+    full_tiles_end = n_keys // BLOCK_N
+    unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end) if IS_CAUSAL else full_tiles_end
+    unmasked_end = gl.maximum(unmasked_end, 1)
+    lse_row = L + batch_head.to(gl.int64) * n_queries
+    gl.warp_specialize([
+        (_ws_consumer, (0, o_desc, L, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        (_ws_consumer, (1, o_desc, L, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                        m0, last_tile, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

@@ -430,10 +430,20 @@ GLUON_SHAPES = [(1, 2, 256, 256, 128), (2, 3, 1000, 1000, 64), (1, 2, 513, 257, 
 
 
 def test_gluon_passes_only_where_eligible():
-    from cs336_systems.kernels.flash_attention.function import tma_eligible
+    from cs336_systems.kernels.flash_attention.function import KernelLaunch, forward_launch, tma_eligible
     from cs336_systems.kernels.flash_attention.hopper_backward import eligible
+    from cs336_systems.kernels.flash_attention.hopper_forward import GluonForward
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
+    device = kernel_device()
+    for dtype, d in ((torch.bfloat16, 64), (torch.float32, 64), (torch.bfloat16, 80)):
+        q, k, v = (torch.randn(1, 2, 64, d, device=device, dtype=dtype) for _ in range(3))
+        launch, _, _ = forward_launch(q, k, v, True, gluon=True)  # asked for, taken only where eligible
+        hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+        assert isinstance(launch, GluonForward) == (hopper and eligible(q)), (dtype, d)
+        assert isinstance(launch, KernelLaunch) != isinstance(launch, GluonForward)
+        launch, _, _ = forward_launch(q, k, v, True, gluon=False)
+        assert isinstance(launch, KernelLaunch)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         good = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
         head_view = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16).transpose(1, 2)

@@ -429,10 +429,28 @@ GLUON_SHAPES = [(1, 2, 256, 256, 128), (2, 3, 1000, 1000, 64), (1, 2, 513, 257, 
                 (2, None, 130, 130, 128), (1, 1, 1, 130, 64), (1, 2, 40, 40, 128)]
 
 
+def _head_views(count, batch, seq, heads, d, seed):
+    """`count` random bf16 (batch, heads, seq, d) views of (batch, seq, heads x d) tensors: the model's head split."""
+    torch.manual_seed(seed)
+    return [torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16).view(batch, seq, heads, d)
+            .transpose(1, 2) for _ in range(count)]
+
+
+def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
+    """(dq, dk, dv) from the two backward passes `backward_launches(**options)` builds."""
+    from cs336_systems.kernels.flash_attention.function import backward_launches
+
+    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, causal, **options)
+    preprocess()
+    dkdv()
+    dq_pass()
+    return finish()
+
+
 def test_gluon_passes_only_where_eligible():
     from cs336_systems.kernels.flash_attention.function import KernelLaunch, forward_launch, tma_eligible
-    from cs336_systems.kernels.flash_attention.hopper_backward import eligible
-    from cs336_systems.kernels.flash_attention.hopper_forward import GluonForward
+    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass, eligible
+    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
     device = kernel_device()
@@ -440,8 +458,9 @@ def test_gluon_passes_only_where_eligible():
         q, k, v = (torch.randn(1, 2, 64, d, device=device, dtype=dtype) for _ in range(3))
         launch, _, _ = forward_launch(q, k, v, True, gluon=True)  # asked for, taken only where eligible
         hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-        assert isinstance(launch, GluonForward) == (hopper and eligible(q)), (dtype, d)
-        assert isinstance(launch, KernelLaunch) != isinstance(launch, GluonForward)
+        gluon = isinstance(launch, GluonPass) and launch.kernel is flash_forward_gluon_kernel
+        assert gluon == (hopper and eligible(q)), (dtype, d)
+        assert isinstance(launch, KernelLaunch) != gluon
         launch, _, _ = forward_launch(q, k, v, True, gluon=False)
         assert isinstance(launch, KernelLaunch)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
@@ -487,20 +506,11 @@ def test_gluon_backward_matches_reference(shape, causal, dtype):
 def test_gluon_backward_agrees_with_tl_passes_on_the_models_head_views(causal):
     """The model's head split (strided 4-D views of (batch, seq, heads x d)); both implementations within
     a few bf16 ulps of each other, and dK/dV/dQ in the inputs' layout."""
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.function import flash_forward
 
-    torch.manual_seed(2)
-    batch, seq, heads, d = 2, 700, 4, 128
-    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
-                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    q, k, v, do = _head_views(4, 2, 700, 4, 128, seed=2)
     out, lse = flash_forward(q, k, v, causal)
-    grads = {}
-    for gluon in (False, True):
-        preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, causal, gluon=gluon)
-        preprocess()
-        dkdv()
-        dq_pass()
-        grads[gluon] = finish()
+    grads = {gluon: _two_pass_grads(q, k, v, out, lse, do, causal, gluon=gluon) for gluon in (False, True)}
     for name, tl_grad, gluon_grad in zip(("dq", "dk", "dv"), grads[False], grads[True]):
         assert gluon_grad.stride() == tl_grad.stride() == q.stride(), name
         scale = tl_grad.float().abs().max().item()
@@ -516,16 +526,9 @@ def test_gluon_register_operand_variants_agree_with_tl_passes(d):
 
     from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
 
-    torch.manual_seed(5)
-    batch, seq, heads = 2, 700, 3
-    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
-                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    q, k, v, do = _head_views(4, 2, 700, 3, d, seed=5)
     out, lse = flash_forward(q, k, v, True)
-    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=False)
-    preprocess()
-    dkdv()
-    dq_pass()
-    want_dq, want_dk, want_dv = finish()
+    want_dq, want_dk, want_dv = _two_pass_grads(q, k, v, out, lse, do, True, gluon=False)
     for regs in (0, 1, 2):
         preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=True)
         preprocess()
@@ -569,16 +572,9 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     from cs336_systems.bench.attention_tuning import FUSED_GLUON_SPACE
     from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
 
-    torch.manual_seed(3)
-    batch, seq, heads = 2, 1000, 3
-    q, k, v, do = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
-                   .view(batch, seq, heads, d).transpose(1, 2) for _ in range(4))
+    q, k, v, do = _head_views(4, 2, 1000, 3, d, seed=3)
     out, lse = flash_forward(q, k, v, True)
-    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, True, gluon=False)
-    preprocess()
-    dkdv()
-    dq_pass()
-    reference = finish()
+    reference = _two_pass_grads(q, k, v, out, lse, do, True, gluon=False)
     checked = 0
     for config in FUSED_GLUON_SPACE:
         for split, reduce_by_tma in ((1, 1), (2, 1), (2, 0)):
@@ -606,13 +602,13 @@ def test_gluon_forward_matches_reference(shape, causal, dtype):
     """The Gluon forward (hopper_forward.py) against the fp64 reference: O within PyTorch's own low-precision
     error, L to fp32 rounding, and the whole default path (forward and gradients) on the same shapes."""
     from cs336_systems.kernels.flash_attention.function import forward_launch
-    from cs336_systems.kernels.flash_attention.hopper_forward import GLUON_HEAD_DIMS, GluonForward
+    from cs336_systems.kernels.flash_attention.hopper_forward import GLUON_HEAD_DIMS, flash_forward_gluon_kernel
 
     q, k, v = (t.detach() for t in _inputs(*shape, dtype, "cuda"))
     default, _, _ = forward_launch(q, k, v, causal)
-    assert isinstance(default, GluonForward) == (shape[-1] in GLUON_HEAD_DIMS)
+    assert (getattr(default, "kernel", None) is flash_forward_gluon_kernel) == (shape[-1] in GLUON_HEAD_DIMS)
     launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
-    assert isinstance(launch, GluonForward)
+    assert launch.kernel is flash_forward_gluon_kernel
     launch()
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
     assert_within_budget("out", out, exact, naive_attention(q, k, v, causal, upcast=False))
@@ -634,10 +630,7 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
     from cs336_systems.bench.attention_tuning import FORWARD_GLUON_SPACE
     from cs336_systems.kernels.flash_attention.function import forward_launch
 
-    torch.manual_seed(4)
-    batch, seq, heads = 2, 1000, 3
-    q, k, v = (torch.randn(batch, seq, heads * d, device="cuda", dtype=torch.bfloat16)
-               .view(batch, seq, heads, d).transpose(1, 2) for _ in range(3))
+    q, k, v = _head_views(3, 2, 1000, 3, d, seed=4)
     checked = 0
     for causal in (False, True):
         exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
@@ -666,6 +659,7 @@ def test_warp_specialised_forward_matches_reference(shape, causal):
 
     from cs336_systems.bench.attention_tuning import GLUON_SPACE
     from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.hopper_forward import warp_specialised
 
     q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
@@ -674,7 +668,7 @@ def test_warp_specialised_forward_matches_reference(shape, causal):
     for config in GLUON_SPACE["forward-gluon-ws"]:
         launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
         try:
-            launch.warp_specialised().with_config(*config)()
+            warp_specialised(launch).with_config(*config)()
         except triton.runtime.errors.OutOfResources:
             continue
         checked += 1

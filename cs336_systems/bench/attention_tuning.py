@@ -148,7 +148,7 @@ def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
-    from cs336_systems.kernels.flash_attention.hopper_forward import GluonForward
+    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, warp_specialised
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
@@ -168,10 +168,10 @@ def _launches(inputs, causal: bool) -> dict:
     def variant(launch, **flags):  # the same launch with other compile-time flags
         return dataclasses.replace(launch, flags=launch.flags | flags)
 
-    if isinstance(forward_gluon, GluonForward):
+    if isinstance(forward_gluon, GluonPass) and forward_gluon.kernel is flash_forward_gluon_kernel:
         launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
         launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
-        launches["forward-gluon-ws"] = forward_gluon.warp_specialised()
+        launches["forward-gluon-ws"] = warp_specialised(forward_gluon)
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),

@@ -112,6 +112,18 @@ def _row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.
 
 
 @gluon.jit
+def query_tile_of_program(n_queries, n_heads, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(first query row, batch x head, batch, head) of this program in a (query tiles, batch x heads) grid.
+    Causal: the longest rows first, so the grid's tail is short."""
+    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
+    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    return query_tile * BLOCK_M, batch_head, b, h
+
+
+@gluon.jit
 def _fill(bars, a_smem, b_smem, a_desc, b_desc, tile, slot, end_tile, BLOCK: gl.constexpr):
     """Start copying row tile `tile` of two matrices into ring slot `slot` (nothing past end_tile)."""
     pred = tile < end_tile
@@ -421,13 +433,8 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
-    # Causal: the longest rows first, so the grid's tail is short.
-    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    m0 = query_tile * BLOCK_M
+    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    query_tile = m0 // BLOCK_M
     q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
     do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
     k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
@@ -495,8 +502,9 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
 
 @dataclass
 class GluonPass:
-    """One Gluon backward pass's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched
-    like backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants)."""
+    """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like
+    backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants): the backward
+    passes here and hopper_forward.py's forward."""
 
     kernel: object
     args: tuple

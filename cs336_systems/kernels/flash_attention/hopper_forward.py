@@ -23,8 +23,6 @@ strides, any lengths. The rest takes forward.py's kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -37,7 +35,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_attention.hopper_backward import LOG2E, _row_tiles
+from cs336_systems.kernels.flash_attention.hopper_backward import (
+    LOG2E,
+    GluonPass,
+    _row_strides,
+    _row_tiles,
+    query_tile_of_program,
+)
 
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forward.py's -1e6, log2 units
 
@@ -82,6 +86,22 @@ def _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, k_tile, v_tile, end_
 @gluon.jit
 def _wait_tile(bars, tile, STAGES: gl.constexpr):
     mbarrier.wait(bars.index(tile % STAGES), (tile // STAGES) & 1)
+
+
+@gluon.jit
+def _key_tile_range(m0, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(end of the unmasked key tiles, end of all visited ones) for the query tile at row m0. Causal stops
+    after the diagonal (the early exit); tiles before m0 are seen in full by every query of the tile. The
+    unmasked run starts at tile 1 (tile 0 is taken before the loop), so its end is at least 1."""
+    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
+    full_tiles_end = n_keys // BLOCK_N
+    if IS_CAUSAL:
+        last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles)
+        unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end)
+    else:
+        last_tile = n_key_tiles
+        unmasked_end = full_tiles_end
+    return gl.maximum(unmasked_end, 1), last_tile
 
 
 @gluon.jit
@@ -165,13 +185,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
                                                          instr_shape=[16, HEAD_DIM, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
-    # Causal: the query tiles that see the most keys start first, so the grid's tail is short.
-    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    m0 = query_tile * BLOCK_M
+    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
     k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
@@ -188,10 +202,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
         mbarrier.init(k_bars.index(slot), count=1)
         mbarrier.init(v_bars.index(slot), count=1)
 
-    # Key tiles visited: causal stops after the diagonal (the early exit); the loop split below needs
-    # BLOCK_M % BLOCK_N == 0 so that the tiles before m0 are seen in full by every query of the tile.
-    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
-    last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
+    unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
     for ahead in gl.static_range(STAGES):
@@ -217,9 +228,6 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
         p = gl.convert_layout(p.to(dtype), op_layout)
 
     # Tiles every query of the tile sees in full (no index comparisons), then the diagonal and ragged ones.
-    full_tiles_end = n_keys // BLOCK_N
-    unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end) if IS_CAUSAL else full_tiles_end
-    unmasked_end = gl.maximum(unmasked_end, 1)
     acc, m_i, l_i, p, alpha = _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                                          v_desc, offs_m, 1, unmasked_end, last_tile, n_keys, qk_scale, False,
                                          IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY)
@@ -251,44 +259,22 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     tma.store_wait(pendings=0)
 
 
-@dataclass
-class GluonForward:
-    """The Gluon forward's arguments and config (BLOCK_M, BLOCK_N, warps, stages), launched like
-    forward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants). `warp_specialised`
-    returns the same launch on `flash_forward_ws_kernel` (its flags; warps = the default partition's 4)."""
-
-    args: tuple
-    flags: dict
-    config: tuple[int, int, int, int]
-    grid: object  # (BLOCK_M, BLOCK_N) -> grid
-    kernel: object = None  # None: flash_forward_gluon_kernel
-
-    def __call__(self):
-        self.with_config(*self.config)()
-
-    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
-        kernel = self.kernel or flash_forward_gluon_kernel
-
-        def launch():
-            kernel[self.grid(block_m, block_n)](
-                *self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps)
-        return launch
-
-    def warp_specialised(self) -> GluonForward:
-        flags = {name: self.flags[name] for name in ("IS_CAUSAL", "HEAD_DIM")}
-        return GluonForward(self.args, flags, (128, 128, 4, 2), self.grid, flash_forward_ws_kernel)
-
-
 def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
-                 is_causal: bool, sm_scale: float) -> GluonForward:
+                 is_causal: bool, sm_scale: float) -> GluonPass:
     """The forward over (batch, heads, seq, d) tensors that are `hopper_backward.eligible` and TMA-eligible;
     O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs."""
     batch, heads, n_queries, head_dim = q4.shape
-    strides = tuple(s for t in (q4, k4, v4, o4) for s in (t.stride(0), t.stride(1), t.stride(2)))
+    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(o4))
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * 1.4426950408889634)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
-    return GluonForward(args, flags, FORWARD_CONFIG[head_dim],
-                        lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+    return GluonPass(flash_forward_gluon_kernel, args, flags, FORWARD_CONFIG[head_dim],
+                     lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+
+
+def warp_specialised(forward: GluonPass) -> GluonPass:
+    """`forward_pass`'s launch on the experimental `flash_forward_ws_kernel` (warps: the first consumer's 4)."""
+    flags = {name: forward.flags[name] for name in ("IS_CAUSAL", "HEAD_DIM")}
+    return GluonPass(flash_forward_ws_kernel, forward.args, flags, (128, 128, 4, 2), forward.grid)
 
 
 # ---- Experimental: the same forward, warp-specialised (FA3's producer / consumer split) ----
@@ -407,12 +393,7 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
     gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
-    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    m0 = query_tile * BLOCK_M
+    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
     k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
     v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
@@ -433,11 +414,7 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
         mbarrier.init(k_empty.index(slot), count=2)  # one arrive per consumer warpgroup
         mbarrier.init(v_empty.index(slot), count=2)
 
-    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
-    last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
-    full_tiles_end = n_keys // BLOCK_N
-    unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end) if IS_CAUSAL else full_tiles_end
-    unmasked_end = gl.maximum(unmasked_end, 1)
+    unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lse_row = L + batch_head.to(gl.int64) * n_queries
     gl.warp_specialize([
         (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,

@@ -187,7 +187,6 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         # slot can take the tile STAGES - 1 ahead (and every thread's L and D copies are visible).
         gl.thread_barrier()
         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
-        delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
         ahead_slot = (step + STAGES - 1) % STAGES
         _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M)
         _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile + STAGES - 1, ahead_slot, n_queries, BLOCK_M)
@@ -197,6 +196,7 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
             pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
+        delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
         dsT = pT * (dpT - delta[None, :])
         if DQ_SPLIT > 0:
             dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_target, tile,

@@ -55,7 +55,7 @@ def kernels(dtype: str) -> dict:
         "forward-gluon": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                           | {"L": "*fp32"}, {"RESCALE_EARLY": True}, hopper_forward.FORWARD_CONFIG[128]),
         "forward-gluon-ws": (hopper_forward.flash_forward_ws_kernel, {n: t for n in ("Q", "K", "V", "O")}
-                             | {"L": "*fp32"}, {"CONSUMER_REGS": 240}, (128, 128, 4, 2)),
+                             | {"L": "*fp32"}, {"CONSUMER_REGS": 240}, hopper_forward.WS_FORWARD_CONFIG),
         "forward-gluon-late": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                                | {"L": "*fp32"}, {"RESCALE_EARLY": False}, hopper_forward.FORWARD_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}

@@ -450,7 +450,7 @@ def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
 def test_gluon_passes_only_where_eligible():
     from cs336_systems.kernels.flash_attention.function import KernelLaunch, forward_launch, tma_eligible
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass, eligible
-    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
+    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, flash_forward_ws_kernel
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
     device = kernel_device()
@@ -458,7 +458,7 @@ def test_gluon_passes_only_where_eligible():
         q, k, v = (torch.randn(1, 2, 64, d, device=device, dtype=dtype) for _ in range(3))
         launch, _, _ = forward_launch(q, k, v, True, gluon=True)  # asked for, taken only where eligible
         hopper = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
-        gluon = isinstance(launch, GluonPass) and launch.kernel is flash_forward_gluon_kernel
+        gluon = isinstance(launch, GluonPass) and launch.kernel in (flash_forward_gluon_kernel, flash_forward_ws_kernel)
         assert gluon == (hopper and eligible(q)), (dtype, d)
         assert isinstance(launch, KernelLaunch) != gluon
         launch, _, _ = forward_launch(q, k, v, True, gluon=False)
@@ -599,21 +599,32 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_forward_matches_reference(shape, causal, dtype):
-    """The Gluon forward (hopper_forward.py) against the fp64 reference: O within PyTorch's own low-precision
-    error, L to fp32 rounding, and the whole default path (forward and gradients) on the same shapes."""
+    """Both Gluon forwards (hopper_forward.py: in-warpgroup overlap, warp-specialised) against the fp64 reference:
+    O within PyTorch's own low-precision error, L to fp32 rounding; and the whole default path (forward and
+    gradients) on the same shapes."""
     from cs336_systems.kernels.flash_attention.function import forward_launch
-    from cs336_systems.kernels.flash_attention.hopper_forward import GLUON_HEAD_DIMS, flash_forward_gluon_kernel
+    from cs336_systems.kernels.flash_attention.hopper_forward import (
+        GLUON_HEAD_DIMS,
+        WARP_SPECIALISED_HEAD_DIMS,
+        flash_forward_gluon_kernel,
+        flash_forward_ws_kernel,
+    )
 
     q, k, v = (t.detach() for t in _inputs(*shape, dtype, "cuda"))
+    d = shape[-1]
     default, _, _ = forward_launch(q, k, v, causal)
-    assert (getattr(default, "kernel", None) is flash_forward_gluon_kernel) == (shape[-1] in GLUON_HEAD_DIMS)
-    launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
-    assert launch.kernel is flash_forward_gluon_kernel
-    launch()
+    want = (None if d not in GLUON_HEAD_DIMS
+            else flash_forward_ws_kernel if d in WARP_SPECIALISED_HEAD_DIMS else flash_forward_gluon_kernel)
+    assert getattr(default, "kernel", None) is want
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
-    assert_within_budget("out", out, exact, naive_attention(q, k, v, causal, upcast=False))
-    assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
-    assert (lse.double() - exact_lse).abs().max().item() <= 1e-3
+    low = naive_attention(q, k, v, causal, upcast=False)
+    for warp_specialised, kernel in ((False, flash_forward_gluon_kernel), (True, flash_forward_ws_kernel)):
+        launch, out, lse = forward_launch(q, k, v, causal, gluon=True, warp_specialised=warp_specialised)
+        assert launch.kernel is kernel
+        launch()
+        assert_within_budget(f"out ws={warp_specialised}", out, exact, low)
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:-1]
+        assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, warp_specialised
     _check_against_reference(_triton_fn(), shape, causal, dtype, "cuda")
 
 
@@ -636,7 +647,7 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
         exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
         low = naive_attention(q, k, v, causal, upcast=False)
         for config, early in itertools.product(FORWARD_GLUON_SPACE, (True, False)):
-            launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
+            launch, out, lse = forward_launch(q, k, v, causal, gluon=True, warp_specialised=False)
             launch = dataclasses.replace(launch, flags=launch.flags | dict(RESCALE_EARLY=early))
             try:
                 launch.with_config(*config)()
@@ -652,29 +663,47 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
 @requires_hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
-def test_warp_specialised_forward_matches_reference(shape, causal):
-    """The experimental warp-specialised forward (attention-tune kernel forward-gluon-ws), every tuned config:
-    O within PyTorch's own bf16 error of the fp64 reference, L to fp32 rounding."""
+def test_warp_specialised_forward_configs_match_reference(shape, causal):
+    """The warp-specialised forward (attention-tune kernel forward-gluon-ws), every tuned config: O within
+    PyTorch's own bf16 error of the fp64 reference, L to fp32 rounding."""
     import triton
 
     from cs336_systems.bench.attention_tuning import GLUON_SPACE
     from cs336_systems.kernels.flash_attention.function import forward_launch
-    from cs336_systems.kernels.flash_attention.hopper_forward import warp_specialised
 
     q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
     low = naive_attention(q, k, v, causal, upcast=False)
     checked = 0
     for config in GLUON_SPACE["forward-gluon-ws"]:
-        launch, out, lse = forward_launch(q, k, v, causal, gluon=True)
+        launch, out, lse = forward_launch(q, k, v, causal, gluon=True, warp_specialised=True)
         try:
-            warp_specialised(launch).with_config(*config)()
+            launch.with_config(*config)()
         except triton.runtime.errors.OutOfResources:
             continue
         checked += 1
         assert_within_budget(f"out {config}", out, exact, low)
         assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, config
     assert checked >= 3, checked
+
+
+@requires_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_warp_specialised_forward_on_the_models_head_views(d):
+    """The default forward at d 64 and 128 (warp-specialised) on strided head views of (batch, seq, heads x d)
+    with a ragged length, causal and not: O in q's layout and within budget, L to fp32 rounding."""
+    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_ws_kernel
+
+    q, k, v = _head_views(3, 2, 1000, 3, d, seed=5)
+    for causal in (False, True):
+        exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+        launch, out, lse = forward_launch(q, k, v, causal)
+        assert launch.kernel is flash_forward_ws_kernel
+        launch()
+        assert out.stride() == q.stride()
+        assert_within_budget(f"out causal={causal}", out, exact, naive_attention(q, k, v, causal, upcast=False))
+        assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, causal
 
 
 def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():

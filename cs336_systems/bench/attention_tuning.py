@@ -148,12 +148,13 @@ def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
-    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, warp_specialised
+    from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
     forward_tma, _, _ = forward_launch(q, k, v, causal, use_tma=True, gluon=False)
-    forward_gluon, _, _ = forward_launch(q, k, v, causal, gluon=True)
+    forward_gluon, _, _ = forward_launch(q, k, v, causal, gluon=True, warp_specialised=False)
+    forward_ws, _, _ = forward_launch(q, k, v, causal, gluon=True, warp_specialised=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)
     gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
@@ -171,7 +172,7 @@ def _launches(inputs, causal: bool) -> dict:
     if isinstance(forward_gluon, GluonPass) and forward_gluon.kernel is flash_forward_gluon_kernel:
         launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
         launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
-        launches["forward-gluon-ws"] = warp_specialised(forward_gluon)
+        launches["forward-gluon-ws"] = forward_ws
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),

@@ -109,7 +109,7 @@ def tma_eligible(*tensors: torch.Tensor) -> bool:
 
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                   use_tma: bool | None = None, gluon: bool | None = None):
+                   use_tma: bool | None = None, gluon: bool | None = None, warp_specialised: bool | None = None):
     """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
 
     use_tma: load Q/K/V and store O through tensor descriptors (the copy engine) where the inputs
@@ -118,7 +118,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     at 4x32x16384x64; results/attention-tune.jsonl).
     gluon: the Gluon forward (hopper_forward.py: the softmax overlapping the previous tile's P V product)
     where the inputs qualify (`hopper_backward.eligible` and TMA strides). None (default): where
-    `hopper_forward.GLUON_HEAD_DIMS` says it measured faster; False: never (use_tma=False implies it)."""
+    `hopper_forward.GLUON_HEAD_DIMS` says it measured faster; False: never (use_tma=False implies it).
+    warp_specialised: which Gluon forward (`hopper_forward.forward_pass`); None: as measured fastest."""
     if use_tma is None:
         use_tma = _has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -130,7 +131,9 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
             and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
         _install_descriptor_allocator(q.device)
-        return hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim)), out, lse
+        launch = hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim),
+                                             warp_specialised)
+        return launch, out, lse
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E / math.sqrt(head_dim)
     args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),

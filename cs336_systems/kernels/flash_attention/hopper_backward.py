@@ -54,8 +54,9 @@ HEAD_DIMS = (64, 128)
 
 # (BLOCK_M, BLOCK_N, warps, stages) per pass and head dim: 16 rows of the outer tile per warp (one
 # warpgroup per 64). The best of `cs336-bench attention-tune` on the H200 (results/attention-tune.jsonl,
-# commit 29d5a4864034, bf16 causal 1x32x32768x128 and 4x32x16384x64).
-DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+# commit 29d5a4864034, bf16 causal 1x32x32768x128 and 4x32x16384x64). d 128's dK/dV: 64 x 128 tiles on 8 warps
+# since D is read after dP^T's wait (fa2324a949c3: 29.71 against 30.90 ms for 64 x 64 on 4 warps, same run).
+DKDV_CONFIG = {64: (64, 64, 4, 2), 128: (64, 128, 8, 3)}
 DQ_CONFIG = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # The one-pass backward (the dK/dV kernel with DQ_SPLIT > 0): config and dQ column blocks per head dim
 # (attention-tune, kernels fused-gluon-s1/-s2, commit 77d6a5936264).

@@ -55,6 +55,12 @@ FORWARD_RESCALE_EARLY = {64: False, 128: True}
 # Head dims where the default forward is this kernel (`function.forward_launch`): where it measured faster
 # than forward.py's (above); forward.py's elsewhere.
 GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
+# Of those, the head dims where it is the warp-specialised kernel (`flash_forward_ws_kernel`, below), and its
+# config: attention-tune kernel forward-gluon-ws, commit fa2324a949c3, bf16 causal, same run: 14.13 ms against
+# 16.16 for the shipped forward and 15.05 for cuDNN at 1x32x32768x128; 10.29 against 10.35 (cuDNN 9.88) at
+# 4x32x16384x64.
+WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = (64, 128)
+WS_FORWARD_CONFIG = (128, 128, 4, 3)
 
 
 @gluon.jit
@@ -260,29 +266,30 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
 
 
 def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
-                 is_causal: bool, sm_scale: float) -> GluonPass:
+                 is_causal: bool, sm_scale: float, warp_specialised: bool | None = None) -> GluonPass:
     """The forward over (batch, heads, seq, d) tensors that are `hopper_backward.eligible` and TMA-eligible;
-    O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs."""
+    O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs.
+    warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: the former
+    at WARP_SPECIALISED_HEAD_DIMS."""
     batch, heads, n_queries, head_dim = q4.shape
+    if warp_specialised is None:
+        warp_specialised = head_dim in WARP_SPECIALISED_HEAD_DIMS
     strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(o4))
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * 1.4426950408889634)
-    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
-    return GluonPass(flash_forward_gluon_kernel, args, flags, FORWARD_CONFIG[head_dim],
-                     lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
+    grid = lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads)  # noqa: E731
+    if warp_specialised:  # (warps: the first consumer's 4)
+        return GluonPass(flash_forward_ws_kernel, args, flags, WS_FORWARD_CONFIG, grid)
+    return GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),
+                     FORWARD_CONFIG[head_dim], grid)
 
 
-def warp_specialised(forward: GluonPass) -> GluonPass:
-    """`forward_pass`'s launch on the experimental `flash_forward_ws_kernel` (warps: the first consumer's 4)."""
-    flags = {name: forward.flags[name] for name in ("IS_CAUSAL", "HEAD_DIM")}
-    return GluonPass(flash_forward_ws_kernel, forward.args, flags, (128, 128, 4, 2), forward.grid)
-
-
-# ---- Experimental: the same forward, warp-specialised (FA3's producer / consumer split) ----
+# ---- The same forward, warp-specialised (FA3's producer / consumer split): the default at WARP_SPECIALISED_HEAD_DIMS ----
 # A one-warp producer partition streams Q, K and V through the rings, and two consumer warpgroups each own 64
 # query rows of the 128-row tile. A consumer releases a K or V slot to the producer with an mbarrier arrive, so
 # the consumers share no CTA barrier and drift apart: one can run its softmax while the other has the tensor
 # cores. Registers move from the producer to the consumers (`worker_num_regs`). attention-tune kernel
-# `forward-gluon-ws`; not a default.
+# `forward-gluon-ws`.
 WS_CONSUMER_ROWS = gl.constexpr(64)
 
 

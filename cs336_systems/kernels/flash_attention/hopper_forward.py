@@ -58,8 +58,9 @@ GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
 # Of those, the head dims where it is the warp-specialised kernel (`flash_forward_ws_kernel`, below), and its
 # config: attention-tune kernel forward-gluon-ws, commit fa2324a949c3, bf16 causal, same run: 14.13 ms against
 # 16.16 for the shipped forward and 15.05 for cuDNN at 1x32x32768x128; 10.29 against 10.35 (cuDNN 9.88) at
-# 4x32x16384x64.
-WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = (64, 128)
+# 4x32x16384x64. Not d 64: in the train sweep (f3400e79f873) it took 0.826 ms at 4x32x4096x64, against 0.722 for
+# the in-warpgroup kernel (e8ccc0eab717), and 10.10 against 10.01 ms at 4x32x16384x64.
+WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = (128,)
 WS_FORWARD_CONFIG = (128, 128, 4, 3)
 
 

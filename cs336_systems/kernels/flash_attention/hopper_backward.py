@@ -71,9 +71,11 @@ DKDV_KV_REGS = {64: 2, 128: 0}
 # QDO_REGS of the dQ pass, the same choice for Q and dO in S = Q K^T and dP = dO V^T: neither, as measured
 # (attention-tune, 60230c299994, 1x32x32768x128: 19.03 ms in shared memory, 19.85 with Q, 20.50 with both).
 DQ_QDO_REGS = {64: 0, 128: 0}
-# Head dims where the dQ pass is the warp-specialised kernel (`flash_dq_ws_kernel`), and its config per head dim.
+# Head dims where the dQ pass is the warp-specialised kernel (`flash_dq_ws_kernel`), and its config per head dim:
+# none, as measured (attention-tune, dq-gluon-ws, 17609933637a, best configs): 21.17 against 19.03 ms for this
+# pass at 1x32x32768x128, 13.40 against 11.16 at 4x32x16384x64.
 DQ_WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = ()
-DQ_WS_CONFIG = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3)}
+DQ_WS_CONFIG = {64: (128, 64, 4, 3), 128: (128, 128, 4, 2)}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")

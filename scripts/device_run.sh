@@ -41,9 +41,11 @@ run_stage() {
       ;;
     attention-train)
       # ATTN_TRAIN_PROVIDERS narrows or widens it (triton-tl-bwd: the tl backward passes, for comparison).
+      # ATTN_TRAIN_REP_MS: timing per measurement (50 ms was a single fwd+bwd at 1x32x32768x128: +-0.5 ms apart
+      # between runs).
       python3 -m cs336_systems.bench attention --sweep train \
         --provider "${ATTN_TRAIN_PROVIDERS:-triton,triton-tl-bwd,sdpa-flash,sdpa-cudnn}" \
-        --rep-ms 50 --no-progress --results-dir "$R" 2>&1 | tail -40
+        --rep-ms "${ATTN_TRAIN_REP_MS:-1000}" --no-progress --results-dir "$R" 2>&1 | tail -40
       ;;
     attention-tune)
       # Every tile config of each kernel at the two target shapes (compiled by 12 processes first).

@@ -26,7 +26,13 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from cs336_systems.kernels.flash_attention import backward, forward, hopper_backward, hopper_forward  # noqa: E402
+from cs336_systems.kernels.flash_attention import (  # noqa: E402
+    backward,
+    forward,
+    hopper_backward,
+    hopper_forward,
+    hopper_one_pass,
+)
 
 DTYPES = {"bf16": "*bf16", "fp16": "*fp16"}
 SCALARS = ("qk_scale", "sm_scale")
@@ -52,6 +58,10 @@ def kernels(dtype: str) -> dict:
                         | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
                         {"KV_REGS": 0, "DQ_SPLIT": hopper_backward.FUSED_DQ_SPLIT[128], "DQ_TMA": 1, "DQ_BUFFERS": 2},
                         hopper_backward.FUSED_CONFIG[128]),
+        "fused-gluon-ws": (hopper_one_pass.flash_bwd_one_pass_ws_kernel,
+                           {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
+                           | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
+                           {"DQ_BUFFERS": 1, "CONSUMER_REGS": 240}, hopper_one_pass.CONFIG),
         "forward-gluon": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                           | {"L": "*fp32"}, {"RESCALE_EARLY": True}, hopper_forward.FORWARD_CONFIG[128]),
         "forward-gluon-ws": (hopper_forward.flash_forward_ws_kernel, {n: t for n in ("Q", "K", "V", "O")}

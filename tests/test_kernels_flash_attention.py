@@ -615,6 +615,75 @@ def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
 
 
 @requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [shape for shape in GLUON_SHAPES if shape[-1] == 128])
+def test_warp_specialised_one_pass_matches_reference(shape, causal, dtype):
+    """The warp-specialised one-pass backward (hopper_one_pass.py, attention-tune kernel fused-gluon-ws), every
+    tuned config: dQ, dK and dV within PyTorch's own low-precision error of the fp64 reference's."""
+    import triton
+
+    from cs336_systems.bench.attention_tuning import GLUON_SPACE
+    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
+
+    b, h, n, m, d = shape
+    torch.manual_seed(7)
+    q, k, v, do = (torch.randn(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype)
+                   for x in (n, m, m, n))
+    out, lse = flash_forward(q, k, v, causal)
+    exact = [t.detach().requires_grad_() for t in (q.double(), k.double(), v.double())]
+    naive_attention(*exact, causal).backward(do.double())
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    naive_attention(*low, causal, upcast=False).backward(do)
+    checked = 0
+    for config in GLUON_SPACE["fused-gluon-ws"]:
+        preprocess, one_pass, dq_pass, finish = backward_launches(q, k, v, out, lse, do, causal, fused=True,
+                                                                  warp_specialised=True)
+        assert one_pass.kernel is flash_bwd_one_pass_ws_kernel and dq_pass is None
+        preprocess()
+        try:
+            one_pass.with_config(*config)()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        checked += 1
+        for name, got, want, torch_low in zip(("dq", "dk", "dv"), finish(), exact, low):
+            assert got.stride() == q.stride() if name == "dq" else got.stride() == k.stride()
+            assert_within_budget(f"{name} {config}", got, want.grad, torch_low.grad)
+    assert checked >= 1, checked
+
+
+@requires_hopper
+def test_warp_specialised_one_pass_agrees_with_two_passes_on_the_models_head_views():
+    """The warp-specialised one-pass backward on strided head views with ragged lengths, causal and not: the
+    two Gluon passes' gradients within a few bf16 ulps, in the inputs' layout."""
+    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+
+    q, k, v, do = _head_views(4, 2, 700, 3, 128, seed=8)
+    for causal in (False, True):
+        out, lse = flash_forward(q, k, v, causal)
+        want = _two_pass_grads(q, k, v, out, lse, do, causal, gluon=True, warp_specialised=False)
+        preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, causal, fused=True,
+                                                            warp_specialised=True)
+        preprocess()
+        one_pass()
+        for name, got, ref in zip(("dq", "dk", "dv"), finish(), want):
+            assert got.stride() == ref.stride() == q.stride(), name
+            scale = ref.float().abs().max().item()
+            assert (got.float() - ref.float()).abs().max().item() <= 2 ** -6 * scale, (name, causal)
+
+
+def test_warp_specialised_one_pass_compiles_for_hopper():
+    """The warp-specialised one-pass kernel, from its PTX on any machine: Q/dO by TMA, S^T waited for with
+    dP^T left in flight, and the dQ share added by TMA reduce-add."""
+    done = _run_ptx_script("--kernel", "fused-gluon-ws", "--d", "128")
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("fused-gluon-ws") and "|1" in line, line
+    assert int(line.split("TMA ")[1].split(";")[0]) > 0, line
+
+
+@requires_hopper
 @pytest.mark.parametrize("d", [64, 128])
 def test_gluon_one_pass_configs_agree_with_two_passes(d):
     """Every config and dQ column split that attention-tune times gives the two-pass gradients (ragged

@@ -40,7 +40,8 @@ from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
            "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
-           "dq-gluon-q", "dq-gluon-qdo", "dq-gluon-ws", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2", "fused-gluon-atomic")
+           "dq-gluon-q", "dq-gluon-qdo", "dq-gluon-ws", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+           "fused-gluon-atomic", "fused-gluon-ws")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
@@ -53,13 +54,14 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T, `dq-gluon-ws` the dQ pass
 # warp-specialised (a producer warp, two consumer warpgroups of 64 query rows); `fused-gluon` the one-pass backward in
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
-# column blocks; `-atomic`: added from registers with pointer atomics instead).
+# column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
+# split, kernels/flash_attention/hopper_one_pass.py, head dim 128).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
                       "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
                       "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
-                      "dq-gluon-qdo": 1.5, "dq-gluon-ws": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5, "fused-gluon-s2": 2.5,
-                      "fused-gluon-atomic": 2.5}
+                      "dq-gluon-qdo": 1.5, "dq-gluon-ws": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5,
+                      "fused-gluon-s2": 2.5, "fused-gluon-atomic": 2.5, "fused-gluon-ws": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
 # (forward and dQ walk key tiles: BLOCK_M % BLOCK_N == 0; dK/dV walks query tiles: BLOCK_N % BLOCK_M == 0).
@@ -85,6 +87,7 @@ GLUON_SPACE = {
     "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
+    "fused-gluon-ws": [(64, 128, 4, 2), (64, 128, 4, 1)],  # 128 keys: two consumer warpgroups of 64
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                    (32, 128, 8, 3)],
     "dkdv-gluon-k": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
@@ -151,6 +154,7 @@ def _launches(inputs, causal: bool) -> dict:
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass, warp_specialised_dq
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
+    from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)
@@ -163,7 +167,10 @@ def _launches(inputs, causal: bool) -> dict:
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
     gluon_fused_preprocess, gluon_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
-    for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess, gluon_fused_preprocess):
+    ws_fused_preprocess, ws_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True,
+                                                            warp_specialised=True)
+    for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess, gluon_fused_preprocess,
+                        ws_fused_preprocess):
         write_delta()  # D, read by each set
     fused_atomic = dataclasses.replace(fused, flags=fused.flags | dict(DQ_REDUCE=1))
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused, preprocess=preprocess,
@@ -184,6 +191,8 @@ def _launches(inputs, causal: bool) -> dict:
                      "fused-gluon": gluon_fused, "fused-gluon-s1": variant(gluon_fused, DQ_SPLIT=1),
                      "fused-gluon-s2": variant(gluon_fused, DQ_SPLIT=2),
                      "fused-gluon-atomic": variant(gluon_fused, DQ_TMA=0)}
+        if getattr(ws_fused, "kernel", None) is flash_bwd_one_pass_ws_kernel:  # (head dim 128)
+            launches["fused-gluon-ws"] = ws_fused
     return launches
 
 
@@ -318,7 +327,8 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                             best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
-                                                               "fused-gluon-atomic"]).min() + preprocess,
+                                                               "fused-gluon-atomic", "fused-gluon-ws"]).min()
+                            + preprocess,
                             best_gluon_bwd=best.reindex(["dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv"]).min()
                             + best.reindex(["dq-gluon", "dq-gluon-q", "dq-gluon-qdo", "dq-gluon-ws"]).min()
                             + preprocess,

@@ -20,7 +20,7 @@ import triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
-from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward
+from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward, hopper_one_pass
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_bwd_fused_kernel,
@@ -221,7 +221,8 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
     `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
     (measured faster than their `tl` twins), False neither. warp_specialised: which Gluon dQ pass
-    (`hopper_backward.backward_passes`); None: as measured fastest.
+    (`hopper_backward.backward_passes`); None: as measured fastest. With fused, True takes the experimental
+    warp-specialised one-pass kernel (`hopper_one_pass.py`, head dim 128) where the Gluon one-pass kernel qualifies.
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -259,7 +260,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
             _install_descriptor_allocator(q.device)
             dq_accum = torch.zeros(batch * heads, hopper_backward.one_pass_rows(n_queries), head_dim, device=q.device,
                                    dtype=torch.float32)
-            dkdv = hopper_backward.fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
+            one_pass = (hopper_one_pass.one_pass if warp_specialised and head_dim in hopper_one_pass.HEAD_DIMS
+                        else hopper_backward.fused_pass)
+            dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
             accum_scale = None
         else:
             dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)

@@ -285,7 +285,7 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
                      FORWARD_CONFIG[head_dim], grid)
 
 
-# ---- The same forward, warp-specialised (FA3's producer / consumer split): the default at WARP_SPECIALISED_HEAD_DIMS ----
+# ---- The same forward, warp-specialised (FA3's producer / consumer split; default at WARP_SPECIALISED_HEAD_DIMS) ----
 # A one-warp producer partition streams Q, K and V through the rings, and two consumer warpgroups each own 64
 # query rows of the 128-row tile. A consumer releases a K or V slot to the producer with an mbarrier arrive, so
 # the consumers share no CTA barrier and drift apart: one can run its softmax while the other has the tensor

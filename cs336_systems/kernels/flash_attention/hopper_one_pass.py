@@ -202,9 +202,9 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                                  CONSUMER_REGS: gl.constexpr = 240):
     """One program per (128 keys, batch x head), launched with num_warps=4 (the first consumer): dK and dV written,
     sm_scale * dQ added into DQ_ACCUM, fp32 (batch x heads, dq_rows, HEAD_DIM), zeroed by the caller, dq_rows >=
-    n_queries in whole tiles. DQ_BUFFERS: staging buffers of the dQ share per consumer (2: a step's reduction
-    overlaps the next step; shared memory allows it only with STAGES 1). CONSUMER_REGS: registers of the second
-    consumer after reallocation (the producer keeps 24)."""
+    n_queries in whole tiles. DQ_BUFFERS: staging buffers of the dQ share per consumer (2 would let a step's
+    reduction overlap the next step, but does not fit in shared memory beside 2 stages at d 128). CONSUMER_REGS:
+    registers of the second consumer after reallocation (the producer keeps 24; the first consumer gets 256)."""
     gl.static_assert(BLOCK_N == 2 * KEYS_PER_CONSUMER, "two consumer warpgroups of 64 keys")
     gl.static_assert(HEAD_DIM == 128, "dQ's columns split at the 128-byte swizzle")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")

@@ -250,21 +250,32 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
                            values="median").reset_index()
     for base in ("sdpa-flash", "sdpa-cudnn"):
         if base in wide and "triton" in wide:
-            wide[f"speed-up vs {base}"] = (wide[base] / wide["triton"]).round(2)
+            wide[f"speed-up vs {base}"] = wide[base] / wide["triton"]  # rounded for display only
+    # Which commit our row comes from: the single-head shapes were last run with earlier kernels.
+    ours_commit = big[big["provider"] == "triton"].set_index(["batch", "heads", "seq", "d", "pass"])["git_commit"]
+    wide["triton commit"] = [str(ours_commit.get(key, ""))[:10]
+                             for key in zip(wide["batch"], wide["heads"], wide["seq"], wide["d"], wide["pass"])]
     doc.add(Paragraph("`cs336-bench attention --sweep train` and `--sweep flash` (bf16, causal, "
                       "triton.testing.do_bench). Median ms; speed-up = baseline time / our time. "
                       + environment(big)))
     doc.add(Table(wide[wide["pass"] == "fwd-bwd"].round(3), "forward + backward"))
     doc.add(Table(wide[wide["pass"] == "fwd"].round(3), "forward"))
+    # (the targets below are checked on unrounded ratios: 0.895 is short of 0.9)
     fb = wide[(wide["pass"] == "fwd-bwd") & wide["d"].isin([64, 128])]
-    if "speed-up vs sdpa-flash" in fb:
-        ok_flash = (fb["speed-up vs sdpa-flash"] >= 1.3).sum()
-        ok_cudnn = (fb["speed-up vs sdpa-cudnn"] >= 0.9).sum()
-        doc.add(Paragraph(f"Targets (seq >= 8192, d 64/128, fwd+bwd): at least 1.3x SDPA-flash on {ok_flash} of "
-                          f"{len(fb)} shapes, at least 0.9x cuDNN on {ok_cudnn} of {len(fb)} (range "
-                          f"{fb['speed-up vs sdpa-cudnn'].min():.2f}-{fb['speed-up vs sdpa-cudnn'].max():.2f}x). "
-                          "The backward is the weaker half: two passes that each recompute P (a one-pass "
-                          "variant is measured below)."))
+    if "speed-up vs sdpa-flash" in fb and "speed-up vs sdpa-cudnn" in fb:
+        for label, group in (("multi-head training shapes", fb[fb["heads"] > 1]),
+                             ("single-head sweep shapes", fb[fb["heads"] == 1])):
+            if group.empty:
+                continue
+            ok_flash = (group["speed-up vs sdpa-flash"] >= 1.3).sum()
+            ok_cudnn = (group["speed-up vs sdpa-cudnn"] >= 0.9).sum()
+            commits = ", ".join(sorted(set(group["triton commit"])))
+            doc.add(Paragraph(
+                f"Targets (seq >= 8192, d 64/128, fwd+bwd), {label} (ours from commit {commits}): at least 1.3x "
+                f"SDPA-flash on {ok_flash} of {len(group)}, at least 0.9x cuDNN on {ok_cudnn} of {len(group)} "
+                f"(range {group['speed-up vs sdpa-cudnn'].min():.3f}-{group['speed-up vs sdpa-cudnn'].max():.3f}x)."))
+        doc.add(Paragraph("The backward is the weaker half: two passes, the dQ pass recomputing S and dP (a "
+                          "one-pass variant is measured below)."))
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
                     & (att["d"] == 128)], ["batch", "heads", "seq", "d", "pass"])
     if not tf.empty:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-gluon, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-gluon, one-pass-ws, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -82,6 +82,15 @@ run_stage() {
       # The Gluon backward passes against the fp64 reference and the tl passes, and the full GPU matrix.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
         -k "gluon or full_matrix or layout or strided or every_output or linear" 2>&1 | tee "$OUT/tests_gluon.log" | tail -25
+      ;;
+    one-pass-ws)
+      # The warp-specialised one-pass backward (hopper_one_pass.py): its GPU tests, then timed beside the two passes.
+      # Time limits on both, since a wrong barrier count hangs a warp-specialised kernel instead of failing it.
+      CS336_AUTOTUNE=0 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        -k warp_specialised_one_pass 2>&1 | tee "$OUT/tests_one_pass_ws.log" | tail -15
+      ATTN_TUNE_KERNELS=fused-gluon-ws,fused-gluon,dkdv-gluon,dq-gluon timeout 300 python3 -m cs336_systems.bench \
+        attention-tune --kernel fused-gluon-ws,fused-gluon,dkdv-gluon,dq-gluon --shape 1x32x32768x128,2x16x16384x128 \
+        --no-progress --results-dir "$R" 2>&1 | tail -30
       ;;
     tests-fused)
       python3 -m pytest -q -n 4 -p no:cacheprovider tests/test_kernels_rmsnorm_swiglu.py tests/test_memory_model.py \

@@ -88,7 +88,7 @@ run_stage() {
       # Time limits on both, since a wrong barrier count hangs a warp-specialised kernel instead of failing it.
       CS336_AUTOTUNE=0 timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_attention.py \
         -k warp_specialised_one_pass 2>&1 | tee "$OUT/tests_one_pass_ws.log" | tail -15
-      ATTN_TUNE_KERNELS=fused-gluon-ws,fused-gluon,dkdv-gluon,dq-gluon timeout 300 python3 -m cs336_systems.bench \
+      timeout 300 python3 -m cs336_systems.bench \
         attention-tune --kernel fused-gluon-ws,fused-gluon,dkdv-gluon,dq-gluon --shape 1x32x32768x128,2x16x16384x128 \
         --no-progress --results-dir "$R" 2>&1 | tail -30
       ;;

@@ -40,7 +40,7 @@ from cs336_systems.profiling.timing import bench_kernel
 
 KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
            "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
-           "dq-gluon-q", "dq-gluon-qdo", "dq-gluon-ws", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
+           "dq-gluon-q", "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
            "fused-gluon-atomic", "fused-gluon-ws")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
 # the one-pass backward (dK/dV plus dQ reduced in fp32: five products) as shipped (TMA reduce-add on
@@ -51,8 +51,7 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # warpgroups); `dkdv-tma` / `dq-tma`
 # the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
 # passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
-# only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T, `dq-gluon-ws` the dQ pass
-# warp-specialised (a producer warp, two consumer warpgroups of 64 query rows); `fused-gluon` the one-pass backward in
+# only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
 # column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
 # split, kernels/flash_attention/hopper_one_pass.py, head dim 128).
@@ -60,7 +59,7 @@ KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, 
                       "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
                       "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
-                      "dq-gluon-qdo": 1.5, "dq-gluon-ws": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5,
+                      "dq-gluon-qdo": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5,
                       "fused-gluon-s2": 2.5, "fused-gluon-atomic": 2.5, "fused-gluon-ws": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
 # (BLOCK_M, BLOCK_N): the causal loop split needs the outer tile to be a multiple of the inner one
@@ -95,7 +94,6 @@ GLUON_SPACE = {
     "dkdv-gluon-kv": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
     "dq-gluon": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
                  (128, 128, 8, 2)],
-    "dq-gluon-ws": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 4, 2)],
     "dq-gluon-q": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
     "dq-gluon-qdo": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
 }
@@ -153,7 +151,7 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
-    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass, warp_specialised_dq
+    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
 
@@ -163,8 +161,7 @@ def _launches(inputs, causal: bool) -> dict:
     forward_gluon, _, _ = forward_launch(q, k, v, causal, gluon=True, warp_specialised=False)
     forward_ws, _, _ = forward_launch(q, k, v, causal, gluon=True, warp_specialised=True)
     preprocess, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)
-    gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True,
-                                                                  warp_specialised=False)
+    gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
     gluon_fused_preprocess, gluon_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
@@ -188,7 +185,6 @@ def _launches(inputs, causal: bool) -> dict:
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),
                      "dq-gluon-q": variant(dq_gluon, QDO_REGS=1), "dq-gluon-qdo": variant(dq_gluon, QDO_REGS=2),
-                     "dq-gluon-ws": warp_specialised_dq(dq_gluon),
                      "fused-gluon": gluon_fused, "fused-gluon-s1": variant(gluon_fused, DQ_SPLIT=1),
                      "fused-gluon-s2": variant(gluon_fused, DQ_SPLIT=2),
                      "fused-gluon-atomic": variant(gluon_fused, DQ_TMA=0)}
@@ -331,7 +327,7 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                                                                "fused-gluon-atomic", "fused-gluon-ws"]).min()
                             + preprocess,
                             best_gluon_bwd=best.reindex(["dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv"]).min()
-                            + best.reindex(["dq-gluon", "dq-gluon-q", "dq-gluon-qdo", "dq-gluon-ws"]).min()
+                            + best.reindex(["dq-gluon", "dq-gluon-q", "dq-gluon-qdo"]).min()
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
                             shipped_tl_bwd=whole.get(("triton-tl-bwd", "bwd")),

@@ -210,7 +210,7 @@ def _attention_forward(q, k, v, is_causal: bool):
 
 
 def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
-                      gluon: bool | None = None, warp_specialised: bool | None = None):
+                      gluon: bool | None = None, warp_specialised: bool = False):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon version in
@@ -220,9 +220,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
     products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
     `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
-    (measured faster than their `tl` twins), False neither. warp_specialised: which Gluon dQ pass
-    (`hopper_backward.backward_passes`); None: as measured fastest. With fused, True takes the experimental
-    warp-specialised one-pass kernel (`hopper_one_pass.py`, head dim 128) where the Gluon one-pass kernel qualifies.
+    (measured faster than their `tl` twins), False neither. warp_specialised (with fused): True takes the
+    experimental warp-specialised one-pass kernel (`hopper_one_pass.py`, head dim 128) where the Gluon one-pass
+    kernel qualifies.
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -290,7 +290,7 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     if gluon is not False and not use_tma and gluon_ok:
         _install_descriptor_allocator(q.device)
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
-                                                               is_causal, sm_scale, warp_specialised)
+                                                               is_causal, sm_scale)
         # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
         if gluon or "dkdv" in hopper_backward.GLUON_PASSES:
             dkdv = gluon_dkdv

@@ -71,11 +71,6 @@ DKDV_KV_REGS = {64: 2, 128: 0}
 # QDO_REGS of the dQ pass, the same choice for Q and dO in S = Q K^T and dP = dO V^T: neither, as measured
 # (attention-tune, 60230c299994, 1x32x32768x128: 19.03 ms in shared memory, 19.85 with Q, 20.50 with both).
 DQ_QDO_REGS = {64: 0, 128: 0}
-# Head dims where the dQ pass is the warp-specialised kernel (`flash_dq_ws_kernel`), and its config per head dim:
-# none, as measured (attention-tune, dq-gluon-ws, 17609933637a, best configs): 21.17 against 19.03 ms for this
-# pass at 1x32x32768x128, 13.40 against 11.16 at 4x32x16384x64.
-DQ_WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = ()
-DQ_WS_CONFIG = {64: (128, 64, 4, 3), 128: (128, 128, 4, 2)}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")
@@ -164,6 +159,18 @@ def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl
 
 
 @gluon.jit
+def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """P^T of one (keys offs_n, query tile `tile`) block from S^T and L (log2 units): exp2 with the scale folded
+    in; MASKED and causal: zero where the query comes before the key."""
+    pT = gl.exp2(sT * qk_scale - lse2[None, :])
+    if MASKED and IS_CAUSAL:
+        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    return pT
+
+
+@gluon.jit
 def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem,
                       lse_row, delta_row, offs_n, start_tile, end_tile, first_tile, last_tile, n_queries,
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -197,10 +204,7 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         ahead_slot = (step + STAGES - 1) % STAGES
         _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M)
         _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile + STAGES - 1, ahead_slot, n_queries, BLOCK_M)
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])
-        if MASKED and IS_CAUSAL:
-            offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        pT = probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -508,144 +512,6 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
 
 
 
-# ---- The dQ pass warp-specialised (hopper_forward.flash_forward_ws_kernel's split) ----
-# A one-warp producer streams K and V through the ring; two consumer warpgroups each own 64 rows of a 128-row
-# query tile. A consumer hands a slot back with an mbarrier arrive once the dQ product that read it has retired,
-# so the consumers share no CTA barrier in the loop and drift apart: one forms P and dS while the other's
-# products run. attention-tune kernel `dq-gluon-ws`; the default at DQ_WARP_SPECIALISED_HEAD_DIMS.
-WS_ROWS = gl.constexpr(64)
-
-
-@gluon.jit
-def _dq_ws_producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, m0,
-                    last_tile, STAGES: gl.constexpr):
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 4 * q_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * WS_ROWS, 0], q_bar, q_smem.index(half))
-        tma.async_copy_global_to_shared(do_desc, [m0 + half * WS_ROWS, 0], q_bar, do_smem.index(half))
-    for tile in range(0, last_tile):
-        slot = tile % STAGES
-        mbarrier.wait(empty.index(slot), ((tile // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-        mbarrier.expect(ready.index(slot), 2 * k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [tile * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [tile * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
-def _dq_ws_key_tiles(dq, q_tile, do_tile, k_smem, v_smem, ready, empty, lse2, delta, offs_m, start_tile, end_tile,
-                     n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                     s_layout: gl.constexpr, op_layout: gl.constexpr):
-    """`_dq_key_tiles` for one consumer warpgroup, handing slots back by mbarrier instead of refilling them."""
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    dtype: gl.constexpr = k_smem.dtype
-    for tile in range(start_tile, end_tile):
-        slot = tile % STAGES
-        mbarrier.wait(ready.index(slot), (tile // STAGES) & 1)
-        k_tile = k_smem.index(slot)
-        v_tile = v_smem.index(slot)
-        zeros = gl.zeros([WS_ROWS, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        # The previous tile's dQ product has retired with S: its slot goes back to the producer.
-        mbarrier.arrive(empty.index((tile + STAGES - 1) % STAGES), pred=tile > 0)
-        p = gl.exp2(s * qk_scale - lse2[:, None])
-        if MASKED:
-            offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            keep = offs_n[None, :] < n_keys
-            if IS_CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            p = gl.where(keep, p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
-        ds = p * (dp - delta[:, None])
-        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)
-    return dq
-
-
-@gluon.jit
-def _dq_ws_consumer(half: gl.constexpr, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, lse_row,
-                    delta_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, sm_scale,
-                    IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One consumer warpgroup: dQ of query rows m0 + 64 * half onwards."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    rows0 = m0 + half * WS_ROWS
-    lse2, delta = _row_stats(lse_row, delta_row, rows0 // WS_ROWS, n_queries, WS_ROWS, gl.SliceLayout(1, s_layout))
-    offs_m = rows0 + gl.arange(0, WS_ROWS, layout=gl.SliceLayout(1, s_layout))
-    q_tile = q_smem.index(half)
-    do_tile = do_smem.index(half)
-    dq = warpgroup_mma_init(gl.zeros([WS_ROWS, HEAD_DIM], gl.float32, acc_layout))
-    mbarrier.wait(q_bar, 0)
-    dq = _dq_ws_key_tiles(dq, q_tile, do_tile, k_smem, v_smem, ready, empty, lse2, delta, offs_m, 0, unmasked_end,
-                          n_keys, qk_scale, False, IS_CAUSAL, STAGES, s_layout, op_layout)
-    dq = _dq_ws_key_tiles(dq, q_tile, do_tile, k_smem, v_smem, ready, empty, lse2, delta, offs_m, unmasked_end,
-                          last_tile, n_keys, qk_scale, True, IS_CAUSAL, STAGES, s_layout, op_layout)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    # This warpgroup's Q buffer takes its dQ rows on the way out (TMA clips rows past n_queries).
-    q_tile.store((dq * sm_scale).to(q_smem.dtype))
-    gl.thread_barrier()  # (this partition's warps) every row is written before the copy engine reads the tile
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [rows0, 0], q_tile)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def flash_dq_ws_kernel(Q, K, V, dO, L, Delta, dQ,
-                       stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                       stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                       stride_dqb, stride_dqh, stride_dqn,
-                       n_heads, n_queries, n_keys, qk_scale, sm_scale,
-                       IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240):
-    """flash_dq_gluon_kernel's contract, warp-specialised: launched with num_warps=4 (the first consumer); the
-    second consumer (4 warps) and the producer (1 warp) are worker partitions. BLOCK_M must be 128.
-    CONSUMER_REGS: registers of the second consumer after reallocation (the producer keeps 24)."""
-    gl.static_assert(BLOCK_M == 2 * WS_ROWS, "two consumer warpgroups of 64 rows")
-    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_ROWS, HEAD_DIM)
-    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, WS_ROWS, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
-    dq_desc = _row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, WS_ROWS, HEAD_DIM)
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, WS_ROWS, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, WS_ROWS, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=2)  # one arrive per consumer warpgroup
-
-    n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
-    full_tiles_end = n_keys // BLOCK_N
-    if IS_CAUSAL:
-        last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles)
-        unmasked_end = gl.minimum(m0 // BLOCK_N, full_tiles_end)
-    else:
-        last_tile = n_key_tiles
-        unmasked_end = full_tiles_end
-    lse_row = L + batch_head.to(gl.int64) * n_queries
-    delta_row = Delta + batch_head.to(gl.int64) * n_queries
-    gl.warp_specialize([
-        (_dq_ws_consumer, (0, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, lse_row, delta_row, m0,
-                           last_tile, unmasked_end, n_queries, n_keys, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM,
-                           BLOCK_N, STAGES)),
-        (_dq_ws_consumer, (1, dq_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, lse_row, delta_row, m0,
-                           last_tile, unmasked_end, n_queries, n_keys, qk_scale, sm_scale, IS_CAUSAL, HEAD_DIM,
-                           BLOCK_N, STAGES)),
-        (_dq_ws_producer, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, m0,
-                           last_tile, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
-
 @dataclass
 class GluonPass:
     """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like
@@ -679,11 +545,10 @@ def _input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
     return strides, sizes
 
 
-def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float,
-                    dq_warp_specialised: bool | None = None):
+def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float):
     """(dK/dV pass, dQ pass) over (batch, heads, seq, d) tensors that are `eligible`; D must be written
-    (backward.py's preprocess) before they run. dq_warp_specialised: the dQ pass on `flash_dq_ws_kernel` (True)
-    or `flash_dq_gluon_kernel` (False); None: the former at DQ_WARP_SPECIALISED_HEAD_DIMS."""
+    (backward.py's preprocess) before they run. (A warp-specialised dQ pass, split as hopper_forward's
+    flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)"""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
@@ -696,17 +561,7 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
-    if dq_warp_specialised is None:
-        dq_warp_specialised = head_dim in DQ_WARP_SPECIALISED_HEAD_DIMS
-    if dq_warp_specialised:
-        dq = warp_specialised_dq(dq)
     return dkdv, dq
-
-
-def warp_specialised_dq(dq: GluonPass) -> GluonPass:
-    """The dQ pass `dq` (of `backward_passes`) on `flash_dq_ws_kernel` (warps: the first consumer's 4)."""
-    flags = {name: dq.flags[name] for name in ("IS_CAUSAL", "HEAD_DIM")}
-    return GluonPass(flash_dq_ws_kernel, dq.args, flags, DQ_WS_CONFIG[flags["HEAD_DIM"]], dq.grid)
 
 
 def one_pass_eligible(q: torch.Tensor) -> bool:

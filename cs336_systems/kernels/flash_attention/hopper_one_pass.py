@@ -46,6 +46,7 @@ from cs336_systems.kernels.flash_attention.hopper_backward import (
     _tile_layout,
     _tma_reduce_add,
     one_pass_rows,
+    probabilities_t,
 )
 
 HEAD_DIMS = (128,)
@@ -101,10 +102,7 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
-        pT = gl.exp2(sT * qk_scale - lse2[None, :])
-        if MASKED and IS_CAUSAL:
-            offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+        pT = probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         pT_low = gl.convert_layout(pT.to(dtype), op_layout)
         dv = warpgroup_mma(pT_low, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))

@@ -545,8 +545,9 @@ def test_gluon_register_operand_variants_agree_with_tl_passes(d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
-    """backward="fused" on Hopper: the Gluon dK/dV pass adding dQ's shares with atomics."""
-    from cs336_systems.kernels.flash_attention import function
+    """backward="fused" on Hopper: a Gluon one-pass kernel adding dQ's shares into fp32 rows (the
+    warp-specialised one at its head dims, else the lockstep dK/dV pass with a dQ split)."""
+    from cs336_systems.kernels.flash_attention import function, hopper_one_pass
     from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
 
     b, h, n, m, d = shape
@@ -555,7 +556,9 @@ def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
     _, one_pass, dq_pass, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal, fused=True)
     # One query row takes the tl one-pass kernel (function.backward_launches says why).
     assert isinstance(one_pass, GluonPass) == (n > 1) and dq_pass is None
-    if n > 1:
+    if n > 1 and d in hopper_one_pass.HEAD_DIMS:
+        assert one_pass.kernel is hopper_one_pass.flash_bwd_one_pass_ws_kernel
+    elif n > 1:
         assert one_pass.flags["DQ_SPLIT"] > 0
     _check_against_reference(_triton_fn("fused"), shape, causal, dtype, "cuda")
 
@@ -647,7 +650,8 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     checked = 0
     for config in FUSED_GLUON_SPACE:
         for split, reduce_by_tma in ((1, 1), (2, 1), (2, 0)):
-            preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, True, fused=True)
+            preprocess, one_pass, _, finish = backward_launches(q, k, v, out, lse, do, True, fused=True,
+                                                                warp_specialised=False)
             preprocess()
             flags = one_pass.flags | dict(DQ_SPLIT=split, DQ_TMA=reduce_by_tma)
             try:

@@ -164,7 +164,8 @@ def _launches(inputs, causal: bool) -> dict:
     gluon_preprocess, dkdv_gluon, dq_gluon, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=True)
     tma_preprocess, dkdv_tma, dq_tma, _ = backward_launches(q, k, v, out, lse, grad_out, causal, use_tma=True)
     fused_preprocess, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
-    gluon_fused_preprocess, gluon_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True)
+    gluon_fused_preprocess, gluon_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True,
+                                                                  warp_specialised=False)
     ws_fused_preprocess, ws_fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True,
                                                             warp_specialised=True)
     for write_delta in (preprocess, gluon_preprocess, tma_preprocess, fused_preprocess, gluon_fused_preprocess,

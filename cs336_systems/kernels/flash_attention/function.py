@@ -210,7 +210,7 @@ def _attention_forward(q, k, v, is_causal: bool):
 
 
 def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
-                      gluon: bool | None = None, warp_specialised: bool = False):
+                      gluon: bool | None = None, warp_specialised: bool | None = None):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
     fused: one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon version in
@@ -220,9 +220,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
     products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
     `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
-    (measured faster than their `tl` twins), False neither. warp_specialised (with fused): True takes the
-    experimental warp-specialised one-pass kernel (`hopper_one_pass.py`, head dim 128) where the Gluon one-pass
-    kernel qualifies.
+    (measured faster than their `tl` twins), False neither. warp_specialised (with fused, where the Gluon
+    one-pass kernel qualifies): True takes the warp-specialised one-pass kernel (`hopper_one_pass.py`) at its
+    head dims, False the lockstep one, None (default) the warp-specialised one at its head dims.
     """
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
@@ -260,8 +260,8 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
             _install_descriptor_allocator(q.device)
             dq_accum = torch.zeros(batch * heads, hopper_backward.one_pass_rows(n_queries), head_dim, device=q.device,
                                    dtype=torch.float32)
-            one_pass = (hopper_one_pass.one_pass if warp_specialised and head_dim in hopper_one_pass.HEAD_DIMS
-                        else hopper_backward.fused_pass)
+            one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
+                        and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
             dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
             accum_scale = None
         else:

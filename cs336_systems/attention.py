@@ -7,7 +7,9 @@ the model stays ignorant of it. Unknown names raise and list the valid ones.
 * reference: the staff maths (materialised scores, softmax, mask).
 * compile: the reference under torch.compile.
 * pytorch-flash: our tiled pure-PyTorch FlashAttention-2 (slow; any device).
-* triton: our Triton FlashAttention-2 (forward and two-pass backward).
+* triton: our Triton FlashAttention-2, forward and the fastest measured backward (two passes; on Hopper
+  one pass at head dim 128, not bitwise reproducible).
+* triton-two-pass-bwd: Triton forward, always the two deterministic backward passes.
 * triton-fused-bwd: Triton forward, one-pass Triton backward (dQ reduced in fp32 across key tiles;
   fewer FLOPs, not bitwise reproducible).
 * triton-compile-bwd: Triton forward, torch.compile'd PyTorch backward.
@@ -68,7 +70,8 @@ def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool
 def _triton(backward: str) -> AttentionFn:
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    name = {"triton": "triton", "fused": "triton-fused-bwd", "compile": "triton-compile-bwd"}[backward]
+    name = {"triton": "triton", "two-pass": "triton-two-pass-bwd", "fused": "triton-fused-bwd",
+            "compile": "triton-compile-bwd"}[backward]
     return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name)
 
 
@@ -89,6 +92,7 @@ _REGISTRY: dict[str, Callable[[], AttentionFn]] = {
     "compile": _compiled_reference,
     "pytorch-flash": _pytorch_flash,
     "triton": lambda: _triton("triton"),
+    "triton-two-pass-bwd": lambda: _triton("two-pass"),
     "triton-fused-bwd": lambda: _triton("fused"),
     "triton-compile-bwd": lambda: _triton("compile"),
 }

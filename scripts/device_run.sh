@@ -40,11 +40,12 @@ run_stage() {
         --plot "$R/attention_tflops.png" 2>&1 | tail -45
       ;;
     attention-train)
-      # ATTN_TRAIN_PROVIDERS narrows or widens it (triton-tl-bwd: the tl backward passes, for comparison).
+      # ATTN_TRAIN_PROVIDERS narrows or widens it (triton-two-pass-bwd: the deterministic passes; triton-tl-bwd:
+      # the tl ones; triton-fused-bwd: one pass at every head dim).
       # ATTN_TRAIN_REP_MS: timing per measurement (50 ms was a single fwd+bwd at 1x32x32768x128: +-0.5 ms apart
       # between runs).
       python3 -m cs336_systems.bench attention --sweep train \
-        --provider "${ATTN_TRAIN_PROVIDERS:-triton,triton-tl-bwd,sdpa-flash,sdpa-cudnn}" \
+        --provider "${ATTN_TRAIN_PROVIDERS:-triton,triton-two-pass-bwd,sdpa-flash,sdpa-cudnn}" \
         --rep-ms "${ATTN_TRAIN_REP_MS:-1000}" --no-progress --results-dir "$R" 2>&1 | tail -40
       ;;
     attention-tune)

@@ -20,7 +20,8 @@ from tests._support import kernel_device
 def test_unknown_name_lists_valid_ones():
     with pytest.raises(ValueError, match="unknown attention implementation 'sdpa'; valid: reference, compile"):
         get_attention("sdpa")
-    assert {"reference", "pytorch-flash", "triton", "triton-fused-bwd", "triton-compile-bwd", "compile"} == set(
+    assert {"reference", "pytorch-flash", "triton", "triton-two-pass-bwd", "triton-fused-bwd", "triton-compile-bwd",
+            "compile"} == set(
         attention_names())
 
 

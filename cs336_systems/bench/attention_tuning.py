@@ -269,7 +269,7 @@ def run(args) -> int:
 
 def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
     """Forward and backward of the shipped (autotuned) kernel and of SDPA's backends, in this run."""
-    for provider in ("triton", "triton-tl-bwd", "triton-fused-bwd", "sdpa-cudnn", "sdpa-flash"):
+    for provider in ("triton", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd", "sdpa-cudnn", "sdpa-flash"):
         fn = attention_fn(provider, base["causal"])
         for p in ("fwd", "bwd"):
             free_memory(args.device)
@@ -331,6 +331,7 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                             + best.reindex(["dq-gluon", "dq-gluon-q", "dq-gluon-qdo"]).min()
                             + preprocess,
                             shipped_fwd=whole.get(("triton", "fwd")), shipped_bwd=whole.get(("triton", "bwd")),
+                            shipped_two_pass_bwd=whole.get(("triton-two-pass-bwd", "bwd")),
                             shipped_tl_bwd=whole.get(("triton-tl-bwd", "bwd")),
                             shipped_fused_bwd=whole.get(("triton-fused-bwd", "bwd")),
                             cudnn_fwd=whole.get(("sdpa-cudnn", "fwd")), cudnn_bwd=whole.get(("sdpa-cudnn", "bwd")),

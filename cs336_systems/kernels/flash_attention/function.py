@@ -32,7 +32,7 @@ from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_k
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-BACKWARD_IMPLS = ("triton", "tl", "fused", "compile")
+BACKWARD_IMPLS = ("triton", "two-pass", "tl", "fused", "compile")
 
 
 def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -209,14 +209,15 @@ def _attention_forward(q, k, v, is_causal: bool):
     return flash_forward(q, k, v, is_causal)
 
 
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, use_tma: bool = False,
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None, use_tma: bool = False,
                       gluon: bool | None = None, warp_specialised: bool | None = None):
     """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
 
-    fused: one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon version in
-    hopper_backward.py, also the default at `hopper_backward.ONE_PASS_HEAD_DIMS`); there is no dQ pass
-    and finish() casts that buffer. use_tma: the inner loops' Q/dO (dK/dV pass) and K/V
-    (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
+    fused: True, one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon versions
+    in hopper_one_pass.py and hopper_backward.py); there is no dQ pass and finish() casts that buffer. None
+    (default): one pass at `hopper_backward.ONE_PASS_HEAD_DIMS` where the Gluon one-pass kernel qualifies and
+    gluon is None (measured faster there), else two passes. False: two passes. use_tma: the inner loops' Q/dO
+    (dK/dV pass) and K/V (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
     `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
     products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
     `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
@@ -253,8 +254,8 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
 
     gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
                          and tma_eligible(q4, k4, v4, do4, dk4, dv4))
-    if gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok:
-        fused = True  # measured faster than the two Gluon passes at this head dim (hopper_backward.py)
+    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
+        fused = gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok
     if fused:
         if gluon_one_pass_ok:  # adds dQ already scaled, into whole tiles of rows
             _install_descriptor_allocator(q.device)
@@ -299,8 +300,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = False, gluon: bool | None = None):
-    """Triton backward (two passes, or one with fused=True). Returns (dq, dk, dv) like the inputs."""
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
+                   gluon: bool | None = None):
+    """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs."""
     preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, grad_out, is_causal, fused,
                                                           gluon=gluon)
     preprocess()
@@ -311,7 +313,8 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool = F
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2: Triton forward, two-pass Triton backward.
+    """FlashAttention-2: Triton forward and backward (`backward_launches`' default: two passes, or one pass at
+    `hopper_backward.ONE_PASS_HEAD_DIMS`).
 
     `apply(q, k, v, is_causal=False)`; saves (L, Q, K, V, O) with L of shape q.shape[:-1].
     """
@@ -331,13 +334,23 @@ class FlashAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+class FlashAttentionTritonTwoPass(FlashAttentionTriton):
+    """Triton forward; always the two deterministic backward passes (Gluon where the inputs qualify)."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=False)
+        return dq, dk, dv, None
+
+
 class FlashAttentionTritonTl(FlashAttentionTriton):
     """Triton forward; the two `tl` backward passes even where the Gluon ones would run (a comparison)."""
 
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=False)
+        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=False, gluon=False)
         return dq, dk, dv, None
 
 
@@ -362,11 +375,14 @@ class FlashAttentionTritonFused(FlashAttentionTriton):
 
 
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
-    """Our Triton FlashAttention-2. backward: "triton" (two deterministic passes; in Gluon on Hopper where
-    the inputs qualify), "tl" (the same two passes in `tl` everywhere), "fused" (one pass, dQ reduced across
-    key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
+    """Our Triton FlashAttention-2. backward: "triton" (the fastest measured: two deterministic passes, in Gluon
+    on Hopper where the inputs qualify, but one pass at `hopper_backward.ONE_PASS_HEAD_DIMS`), "two-pass"
+    (always the two passes: bit-reproducible), "tl" (the two passes in `tl` everywhere), "fused" (one pass, dQ
+    reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
     if backward == "triton":
         return FlashAttentionTriton.apply(q, k, v, is_causal)
+    if backward == "two-pass":
+        return FlashAttentionTritonTwoPass.apply(q, k, v, is_causal)
     if backward == "tl":
         return FlashAttentionTritonTl.apply(q, k, v, is_causal)
     if backward == "fused":

@@ -74,9 +74,12 @@ DQ_QDO_REGS = {64: 0, 128: 0}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")
-# Head dims where the default backward is the one-pass kernel instead (dQ reduced with TMA reduce-add: fp32
-# sums in arrival order, so not bit-reproducible run to run); `backward="tl"` or gluon=False keeps two passes.
-ONE_PASS_HEAD_DIMS: tuple[int, ...] = ()
+# Head dims where the default backward is one pass instead (dQ reduced with TMA reduce-add: fp32 sums in arrival
+# order, so not bit-reproducible run to run); `backward="two-pass"` keeps two passes. At d 128 the
+# warp-specialised kernel of hopper_one_pass.py (attention-tune, 9cc04fa79ec1, 1x32x32768x128: 41.40 ms against
+# 47.69 for the two Gluon passes; the lockstep one-pass kernel here 62.74). d 64 keeps two passes (the lockstep
+# kernel was slower there, and the warp-specialised one is written for d 128).
+ONE_PASS_HEAD_DIMS: tuple[int, ...] = (128,)
 
 
 def eligible(q: torch.Tensor) -> bool:

@@ -247,9 +247,11 @@ def test_triton_full_matrix_on_gpu(shape, causal, dtype, backward, request):
     if shape[-1] > 128 and dtype == torch.float32:
         pytest.skip("fp32 takes head dims up to 128")
     if dtype == torch.float32 and (shape, causal, backward) in KNOWN_FP32_OVER_BUDGET:
-        # Measured on the H200 (2026-12-02): over 2x torch's fp32 error, so flagged, not hidden; strict, so a
-        # fix shows up as an unexpected pass.
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FP32_OVER_BUDGET[(shape, causal, backward)]))
+        # Measured on the H200 (2026-12-02): over 2x torch's fp32 error, so flagged, not hidden; strict for our
+        # kernels, so a fix shows up as an unexpected pass. Inductor's kernels vary between runs (it came within
+        # budget on 2026-12-03, commit 810486fe2e45), so its entry is not strict.
+        request.applymarker(pytest.mark.xfail(strict=backward != "compile",
+                                              reason=KNOWN_FP32_OVER_BUDGET[(shape, causal, backward)]))
     if backward == "compile" and shape[2] * shape[3] > 2048 * 2048 // 4:
         pytest.skip("the compiled backward materialises P; keep it to small shapes")
     _check_against_reference(_triton_fn(backward), shape, causal, dtype, "cuda")

@@ -47,10 +47,13 @@ def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd
             ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=colours[p], ls="--" if p.startswith("sdpa") else "-", marker="o", ms=3)
                for p in providers]
-    fig.legend(handles, providers, loc="lower center", ncol=len(providers), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 if len(dtypes) > 1 else 0.1, 1, 1))
+    # About three legend entries fit under a panel: more rows of entries where the panels are few.
+    ncol = min(len(providers), 3 * len(dims))
+    legend_rows = -(-len(providers) // ncol)
+    fig.legend(handles, providers, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, (0.035 if len(dtypes) > 1 else 0.06) * (legend_rows + 1), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend is never cut at the figure's edge
     plt.close(fig)
     return path
 

@@ -34,6 +34,9 @@ import cs336_basics.model as basics_model
 AttentionFn = Callable[..., torch.Tensor]
 
 _REFERENCE = basics_model.scaled_dot_product_attention
+# Our Triton implementations by name -> `flash_attention`'s backward (the benchmarks' provider names too).
+TRITON_BACKWARDS = {"triton": "triton", "triton-two-pass-bwd": "two-pass", "triton-fused-bwd": "fused",
+                    "triton-compile-bwd": "compile"}
 
 
 @functools.lru_cache(maxsize=8)
@@ -70,8 +73,7 @@ def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool
 def _triton(backward: str) -> AttentionFn:
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    name = {"triton": "triton", "two-pass": "triton-two-pass-bwd", "fused": "triton-fused-bwd",
-            "compile": "triton-compile-bwd"}[backward]
+    name = next(name for name, impl in TRITON_BACKWARDS.items() if impl == backward)
     return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name)
 
 
@@ -91,10 +93,7 @@ _REGISTRY: dict[str, Callable[[], AttentionFn]] = {
     "reference": lambda: _REFERENCE,
     "compile": _compiled_reference,
     "pytorch-flash": _pytorch_flash,
-    "triton": lambda: _triton("triton"),
-    "triton-two-pass-bwd": lambda: _triton("two-pass"),
-    "triton-fused-bwd": lambda: _triton("fused"),
-    "triton-compile-bwd": lambda: _triton("compile"),
+    **{name: functools.partial(_triton, backward) for name, backward in TRITON_BACKWARDS.items()},
 }
 
 

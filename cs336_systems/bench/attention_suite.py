@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 import cs336_basics.model as basics_model
+from cs336_systems.attention import TRITON_BACKWARDS
 from cs336_systems.bench.common import (
     DTYPES,
     add_common_arguments,
@@ -125,12 +126,11 @@ def cases(args) -> list[AttentionCase]:
 
 def _attention_fn(provider: str, causal: bool):
     """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
-    if provider in ("triton", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd", "triton-compile-bwd"):
+    backwards = TRITON_BACKWARDS | {"triton-tl-bwd": "tl"}  # (tl: a comparison only, not a model attention)
+    if provider in backwards:
         from cs336_systems.kernels.flash_attention.function import flash_attention
 
-        backward = {"triton": "triton", "triton-two-pass-bwd": "two-pass", "triton-tl-bwd": "tl",
-                    "triton-fused-bwd": "fused", "triton-compile-bwd": "compile"}[provider]
-        return lambda q, k, v: flash_attention(q, k, v, causal, backward=backward)
+        return lambda q, k, v: flash_attention(q, k, v, causal, backward=backwards[provider])
     if provider == "pytorch-flash":
         from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
 

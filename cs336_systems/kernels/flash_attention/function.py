@@ -32,7 +32,10 @@ from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_k
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-BACKWARD_IMPLS = ("triton", "two-pass", "tl", "fused", "compile")
+# `flash_backward`'s options per backward of `flash_attention` ("compile" is the torch.compile'd PyTorch one).
+_BACKWARD_OPTIONS = {"triton": {}, "two-pass": dict(fused=False), "tl": dict(fused=False, gluon=False),
+                     "fused": dict(fused=True)}
+BACKWARD_IMPLS = (*_BACKWARD_OPTIONS, "compile")
 
 
 def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -316,80 +319,38 @@ class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2: Triton forward and backward (`backward_launches`' default: two passes, or one pass at
     `hopper_backward.ONE_PASS_HEAD_DIMS`).
 
-    `apply(q, k, v, is_causal=False)`; saves (L, Q, K, V, O) with L of shape q.shape[:-1].
+    `apply(q, k, v, is_causal=False, backward="triton")`, backward one of `BACKWARD_IMPLS` (see
+    `flash_attention`); saves (L, Q, K, V, O) with L of shape q.shape[:-1].
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
+    def forward(ctx, q, k, v, is_causal=False, backward="triton"):
         validate_attention_inputs(q, k, v)
         out, lse = _attention_forward(q, k, v, bool(is_causal))
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = bool(is_causal)
+        ctx.backward_impl = backward
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-class FlashAttentionTritonTwoPass(FlashAttentionTriton):
-    """Triton forward; always the two deterministic backward passes (Gluon where the inputs qualify)."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=False)
-        return dq, dk, dv, None
-
-
-class FlashAttentionTritonTl(FlashAttentionTriton):
-    """Triton forward; the two `tl` backward passes even where the Gluon ones would run (a comparison)."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=False, gluon=False)
-        return dq, dk, dv, None
-
-
-class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
-    """Triton forward; backward as a torch.compile'd PyTorch function (the handout's first step)."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-class FlashAttentionTritonFused(FlashAttentionTriton):
-    """Triton forward; one-pass Triton backward with dQ reduced in fp32 (not bitwise reproducible)."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, fused=True)
-        return dq, dk, dv, None
+        if ctx.backward_impl == "compile":
+            dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
+        else:
+            dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
+                                        **_BACKWARD_OPTIONS[ctx.backward_impl])
+        return dq, dk, dv, None, None
 
 
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
     """Our Triton FlashAttention-2. backward: "triton" (the fastest measured: two deterministic passes, in Gluon
     on Hopper where the inputs qualify, but one pass at `hopper_backward.ONE_PASS_HEAD_DIMS`), "two-pass"
     (always the two passes: bit-reproducible), "tl" (the two passes in `tl` everywhere), "fused" (one pass, dQ
-    reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch)."""
-    if backward == "triton":
-        return FlashAttentionTriton.apply(q, k, v, is_causal)
-    if backward == "two-pass":
-        return FlashAttentionTritonTwoPass.apply(q, k, v, is_causal)
-    if backward == "tl":
-        return FlashAttentionTritonTl.apply(q, k, v, is_causal)
-    if backward == "fused":
-        return FlashAttentionTritonFused.apply(q, k, v, is_causal)
-    if backward == "compile":
-        return FlashAttentionTritonCompiledBackward.apply(q, k, v, is_causal)
-    raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
+    reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch, the handout's first step)."""
+    if backward not in BACKWARD_IMPLS:
+        raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
+    return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
 
 
 def chosen_configs() -> dict[str, dict]:

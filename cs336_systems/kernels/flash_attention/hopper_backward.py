@@ -514,7 +514,6 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     tma.store_wait(pendings=0)
 
 
-
 @dataclass
 class GluonPass:
     """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like

@@ -18,6 +18,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from cs336_systems.kernels.flash_attention.function import (
     FlashAttentionTriton,
@@ -36,6 +38,30 @@ def per_call_us(fn, calls: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls * 1e6
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _copy_kernel_many_args(src, dst, n, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                           a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+def triton_launch_floor(calls: int) -> dict[str, float]:
+    """Triton's own launch cost on this host, as controls: a 3-argument kernel and one with 29 arguments
+    (our kernels take about 30), each launched through `JITFunction.run`."""
+    src = torch.randn(1024, device="cuda")
+    dst = torch.empty_like(src)
+    extra = [1024 * (i + 1) for i in range(26)]
+    return {"3-arg kernel": per_call_us(lambda: _copy_kernel[(1,)](src, dst, 1024, BLOCK=1024), calls),
+            "29-arg kernel": per_call_us(lambda: _copy_kernel_many_args[(1,)](src, dst, 1024, *extra, BLOCK=1024),
+                                         calls)}
 
 
 class _Scale(torch.autograd.Function):
@@ -121,6 +147,8 @@ def main() -> None:
              "bwd, retained graph": lambda: retained.backward(grad_out, retain_graph=True),
              "control Function fwd+bwd": lambda: _Scale.apply(x).sum().backward()}
     lines.append("      triton: " + ", ".join(f"{key} {per_call_us(fn, args.calls):7.1f}" for key, fn in parts.items()))
+    lines.append("     control: " + ", ".join(f"{key} {value:7.1f}" for key, value in
+                                            triton_launch_floor(args.calls).items()))
     lines.append("      triton, one fwd+bwd split by timestamps (us, mean): " + ", ".join(
         f"{key} {value:7.1f}" for key, value in backward_gaps(q, k, v, grad_out, args.calls).items()))
     # cProfile sees only this thread and autograd runs the backward in its own, so the two halves are

@@ -69,7 +69,13 @@ run_stage() {
       ;;
     attention-host)
       # Host time per small attention call (the flash sweep's short sequences are host-bound) and its profile.
-      python3 scripts/attention_host_overhead.py --out "$R/attention_host_overhead.txt" 2>&1 | head -80
+      # HOST_D / HOST_SEQ: space-separated lists (default d 64 and 128 at seq 128).
+      for d in ${HOST_D:-64 128}; do
+        for seq in ${HOST_SEQ:-128}; do
+          python3 scripts/attention_host_overhead.py --seq "$seq" --d "$d" \
+            --out "$R/attention_host_overhead_d${d}_seq${seq}.txt" 2>&1 | head -${HOST_LINES:-60}
+        done
+      done
       ;;
     attention-handout)
       python3 -m cs336_systems.bench attention --sweep handout --no-progress --results-dir "$R" 2>&1 | tail -45

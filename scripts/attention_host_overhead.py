@@ -1,9 +1,12 @@
 """Where the host time of one small attention call goes (a diagnostic for the flash sweep's short sequences).
 
 At seq 128 the GPU work of an attention call is a few microseconds, so do_bench measures how fast the host
-issues it. This prints, for our Triton FlashAttention and SDPA's flash backend, the wall time per call of
+issues it. This prints, for our Triton FlashAttention (with and without launch plans,
+`kernels/flash_attention/launch_plan.py`) and SDPA's flash and cuDNN backends, the wall time per call of
 forward (no grad), forward (grad enabled, graph built) and forward+backward, each averaged over many calls
-with one synchronisation at the end, and then cProfile's top entries for our forward and backward.
+with one synchronisation at the end, and the GPU's kernel time per forward+backward (torch.profiler); then
+the backward's parts, Triton's own launch cost as a control, and cProfile's top entries for our forward
+and backward.
 
     python scripts/attention_host_overhead.py [--seq 128] [--d 64] [--calls 300] [--out FILE]
 """
@@ -107,6 +110,20 @@ def backward_gaps(q, k, v, grad_out, calls: int) -> dict[str, float]:
     return gaps
 
 
+def gpu_time_per_call_us(fn, calls: int) -> float:
+    """Kernel time per call (the sum of the kernels' durations, from torch.profiler), whatever the host did."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=128)
@@ -116,15 +133,32 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("attention_host_overhead: needs a CUDA device")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cs336_systems.kernels.flash_attention import launch_plan
+
     q, k, v = (torch.randn(1, 1, args.seq, args.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     grad_out = torch.randn_like(q)
+
+    def sdpa(backend):
+        def attend():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attend
+
     attention = {
+        "triton, plans off": lambda: flash_attention(q, k, v, True),
         "triton": lambda: flash_attention(q, k, v, True),
-        "sdpa-flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }
-    lines = [f"seq {args.seq}, d {args.d}, bf16, causal, 1 x 1 heads; microseconds per call (host-bound)"]
+    lines = [f"seq {args.seq}, d {args.d}, bf16, causal, 1 x 1 heads; microseconds per call, wall (one sync per "
+             f"{args.calls} calls) and GPU (kernel time per call, torch.profiler); 'plans off': every call through "
+             f"the normal launch path (launch_plan.use_plans(False))"]
     for name, attend in attention.items():
+        launch_plan.use_plans(name != "triton, plans off")
+
         def forward_no_grad(attend=attend):
             with torch.no_grad():
                 attend()
@@ -136,8 +170,9 @@ def main() -> None:
 
         timings = {"fwd no-grad": per_call_us(forward_no_grad, args.calls),
                    "fwd grad": per_call_us(attend, args.calls),
-                   "fwd+bwd": per_call_us(forward_backward, args.calls)}
-        lines.append(f"{name:>12}: " + ", ".join(f"{key} {value:7.1f}" for key, value in timings.items()))
+                   "fwd+bwd": per_call_us(forward_backward, args.calls),
+                   "GPU fwd+bwd": gpu_time_per_call_us(forward_backward, 50)}
+        lines.append(f"{name:>18}: " + ", ".join(f"{key} {value:7.1f}" for key, value in timings.items()))
     # The backward's parts, timed the same way: the launcher called directly, a backward through a retained
     # graph, and, as a control, a Python autograd Function that does one elementwise op each way.
     out, lse = flash_forward(q.detach(), k.detach(), v.detach(), True)
@@ -146,11 +181,15 @@ def main() -> None:
     parts = {"flash_backward direct": lambda: flash_backward(q, k, v, out, lse, grad_out, True),
              "bwd, retained graph": lambda: retained.backward(grad_out, retain_graph=True),
              "control Function fwd+bwd": lambda: _Scale.apply(x).sum().backward()}
-    lines.append("      triton: " + ", ".join(f"{key} {per_call_us(fn, args.calls):7.1f}" for key, fn in parts.items()))
-    lines.append("     control: " + ", ".join(f"{key} {value:7.1f}" for key, value in
-                                            triton_launch_floor(args.calls).items()))
-    lines.append("      triton, one fwd+bwd split by timestamps (us, mean): " + ", ".join(
-        f"{key} {value:7.1f}" for key, value in backward_gaps(q, k, v, grad_out, args.calls).items()))
+    for plans in (False, True):
+        launch_plan.use_plans(plans)
+        label = "plans on" if plans else "plans off"
+        lines.append(f"{label:>18}: " + ", ".join(f"{key} {per_call_us(fn, args.calls):7.1f}"
+                                                   for key, fn in parts.items()))
+        lines.append(f"{label:>18}, one fwd+bwd split by timestamps (us, mean): " + ", ".join(
+            f"{key} {value:7.1f}" for key, value in backward_gaps(q, k, v, grad_out, args.calls).items()))
+    lines.append("           control: " + ", ".join(f"{key} {value:7.1f}" for key, value in
+                                                    triton_launch_floor(args.calls).items()))
     # cProfile sees only this thread and autograd runs the backward in its own, so the two halves are
     # profiled as direct calls: the forward with grad enabled, and the backward launcher itself.
     halves = {"forward (autograd Function, grad enabled)": lambda: flash_attention(q, k, v, True),
@@ -163,8 +202,8 @@ def main() -> None:
         torch.cuda.synchronize()
         profiler.disable()
         stream = io.StringIO()
-        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(25)
-        lines.append(f"\ncProfile of {args.calls} calls of the {title}, by own time:\n{stream.getvalue()}")
+        pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(18)
+        lines.append(f"\ncProfile (plans on) of {args.calls} calls of the {title}, by own time:\n{stream.getvalue()}")
     report = "\n".join(lines)
     print(report)
     if args.out:

@@ -30,7 +30,7 @@ run_stage() {
       # CS336_AUTOTUNE=0: one config per kernel, so the cold compile of the test matrix stays short.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_weighted_sum.py \
         tests/test_kernels_flash_attention.py tests/test_adapters_attention.py tests/test_attention_registry.py \
-        tests/test_memory_checkpointing.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+        tests/test_memory_checkpointing.py tests/test_kernels_flash_launch_plan.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
@@ -69,7 +69,7 @@ run_stage() {
       ;;
     attention-host)
       # Host time per small attention call (the flash sweep's short sequences are host-bound) and its profile.
-      # HOST_D / HOST_SEQ: space-separated lists (default d 64 and 128 at seq 128).
+      # HOST_D / HOST_SEQ: space-separated lists (default d 64 and 128 at seq 128); HOST_LINES: lines shown per run.
       for d in ${HOST_D:-64 128}; do
         for seq in ${HOST_SEQ:-128}; do
           python3 scripts/attention_host_overhead.py --seq "$seq" --d "$d" \

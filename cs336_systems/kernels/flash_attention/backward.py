@@ -39,9 +39,12 @@ from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 
 @triton.jit
-def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh,
-                            stride_don, stride_dod, n_heads, n_queries, head_dim,
-                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride_on, stride_od, stride_dob,
+                            stride_doh, stride_don, stride_dod, stride_accum_bh, n_heads, n_queries, head_dim,
+                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr = False):
+    """D = rowsum(O * dO) per query row; with ZERO_DQ, also zeroes the one-pass backward's fp32 dQ accumulator
+    (rows of BLOCK_D values, `stride_accum_bh` apart per (batch, head)) in those rows, which saves a launch of
+    its own."""
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     m0 = tl.program_id(0) * BLOCK_M
@@ -55,6 +58,10 @@ def flash_preprocess_kernel(O, dO, Delta, stride_ob, stride_oh, stride_on, strid
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     tl.store(Delta + batch_head.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, axis=1), mask=offs_m < n_queries)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_D)
+        rows = DQ_accum + batch_head.to(tl.int64) * stride_accum_bh + offs_m[:, None] * BLOCK_D + offs_d[None, :]
+        tl.store(rows, tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32), mask=offs_m[:, None] < n_queries)
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
-from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward, hopper_one_pass
+from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward, hopper_one_pass, launch_plan
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_bwd_fused_kernel,
@@ -99,6 +99,30 @@ class KernelLaunch:
                                       num_warps=num_warps, num_stages=num_stages)
         return launch
 
+    def launch_for_plan(self):
+        """Launch through the autotuner (which tunes on a key's first call); (compiled kernel, grid, every
+        parameter's value) for `launch_plan`."""
+        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
+        params = {**self.flags, **self.kernel.best_config.all_kwargs()}
+        return compiled, self.grid(params), launch_plan.bound_values(self.kernel.fn, self.args, params)
+
+
+@dataclass
+class FixedLaunch:
+    """A bare kernel on a fixed grid (the backward's D preprocess)."""
+
+    kernel: object  # a JITFunction
+    args: tuple
+    flags: dict
+    grid: tuple
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.flags)
+
+    def launch_for_plan(self):
+        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
+        return compiled, self.grid, launch_plan.bound_values(self.kernel, self.args, self.flags)
+
 
 def tma_eligible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors (the copy engine) need unit stride along d and 16-byte aligned bases and row,
@@ -151,10 +175,33 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """Returns O (like q) and L (fp32, q.shape[:-1])."""
+    """Returns O (like q) and L (fp32, q.shape[:-1]). Repeat calls of one input signature replay a launch
+    plan (`launch_plan`) instead of `forward_launch`."""
+    if not launch_plan.plans_enabled() or q.device.type != "cuda":
+        launch, out, lse = forward_launch(q, k, v, is_causal)
+        launch()
+        return out, lse
+    key = ("forward", bool(is_causal), torch.backends.cuda.matmul.allow_tf32, launch_plan.tensor_signature(q, k, v))
+    plan = launch_plan.lookup(key)
+    if plan is not None:
+        return plan(q, k, v)
     launch, out, lse = forward_launch(q, k, v, is_causal)
-    launch()
+    captured = launch_plan.capture(*launch.launch_for_plan(), dict(q=q, k=k, v=v, out=out, lse=lse))
+    if captured is not None:
+        launch_plan.store(key, _ForwardPlan(captured))
     return out, lse
+
+
+@dataclass
+class _ForwardPlan:
+    launch: launch_plan.CapturedLaunch
+
+    def __call__(self, q, k, v):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+        _install_descriptor_allocator(q.device)
+        self.launch(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr()))
+        return out, lse
 
 
 def _has_tma(device: torch.device) -> bool:
@@ -228,21 +275,66 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     one-pass kernel qualifies): True takes the warp-specialised one-pass kernel (`hopper_one_pass.py`) at its
     head dims, False the lockstep one, None (default) the warp-specialised one at its head dims.
     """
+    launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma,
+                                                        gluon, warp_specialised)
+    return (*launches, lambda: _backward_result(q, buffers, accum_scale))
+
+
+def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
+    """D and the backward's dK, dV, named as launch plans know them."""
+    # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
+    return dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
+
+
+def _dq_buffer(q, accum: str | None) -> dict[str, torch.Tensor]:
+    """Where dQ goes. accum: None (two passes write dq), "gluon" (the Gluon one-pass kernels' fp32 rows: whole
+    128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D). The
+    accumulator is zeroed by the preprocess launch."""
+    if accum is None:
+        return dict(dq=torch.empty_like(q))
+    batch_heads = math.prod(q.shape[:-2])
+    head_dim = q.shape[-1]
+    rows, cols = ((hopper_backward.one_pass_rows(q.shape[-2]), head_dim) if accum == "gluon"
+                  else (q.shape[-2], max(16, triton.next_power_of_2(head_dim))))
+    return dict(dq_accum=torch.empty(batch_heads, rows, cols, device=q.device, dtype=torch.float32))
+
+
+def _backward_result(q, buffers: dict[str, torch.Tensor], accum_scale: float | None):
+    """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one."""
+    if "dq_accum" not in buffers:
+        return buffers["dq"], buffers["dk"], buffers["dv"]
+    accum = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
+    if accum_scale is not None:
+        accum = accum.mul_(accum_scale)
+    dq = torch.empty_like(q)  # in q's layout, as the other gradients
+    dq.copy_(accum.view(q.shape))  # (batch*heads, ..) -> q's dims
+    return dq, buffers["dk"], buffers["dv"]
+
+
+def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon, warp_specialised):
+    """((preprocess, dK/dV pass, dQ pass or None), buffers, dQ accumulator scale or None): `backward_launches`'
+    choice, its buffers named for launch plans."""
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
-    delta = torch.empty_like(lse)
+    buffers = _backward_buffers(k, v, lse)
+    delta, dk4, dv4 = buffers["delta"], _as_4d(buffers["dk"]), _as_4d(buffers["dv"])
+    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
+                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
+    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
+        fused = gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok
+    accum = ("gluon" if gluon_one_pass_ok else "tl") if fused else None
+    buffers.update(_dq_buffer(q, accum))
+    dq_accum = buffers.get("dq_accum")
     preprocess_rows = 64
+    accum_args = (dq_accum, dq_accum.stride(0)) if dq_accum is not None else (None, 0)
+    preprocess = FixedLaunch(
+        flash_preprocess_kernel,
+        (o4, do4, delta, accum_args[0], *o4.stride(), *do4.stride(), accum_args[1], heads, n_queries, head_dim),
+        dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
+        (triton.cdiv(n_queries, preprocess_rows), batch * heads))
 
-    def preprocess():
-        flash_preprocess_kernel[(triton.cdiv(n_queries, preprocess_rows), batch * heads)](
-            o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_queries, head_dim,
-            BLOCK_M=preprocess_rows, BLOCK_D=block_d)
-
-    # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dk4, dv4 = _as_4d(dk), _as_4d(dv)
     sm_scale = 1.0 / math.sqrt(head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
@@ -255,37 +347,18 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
-    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
-                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
-    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
-        fused = gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok
-    if fused:
-        if gluon_one_pass_ok:  # adds dQ already scaled, into whole tiles of rows
-            _install_descriptor_allocator(q.device)
-            dq_accum = torch.zeros(batch * heads, hopper_backward.one_pass_rows(n_queries), head_dim, device=q.device,
-                                   dtype=torch.float32)
-            one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
-                        and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
-            dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
-            accum_scale = None
-        else:
-            dq_accum = torch.zeros(batch * heads, n_queries, block_d, device=q.device, dtype=torch.float32)
-            dkdv = KernelLaunch(flash_bwd_fused_kernel,
-                                (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
-                                flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
-            accum_scale = sm_scale
-
-        def finish():
-            dq = torch.empty_like(q)  # in q's layout, as the other gradients
-            accum = dq_accum[:, :n_queries, :head_dim]
-            if accum_scale is not None:
-                accum = accum.mul_(accum_scale)
-            dq.copy_(accum.view(q.shape))  # (batch*heads, ..) -> q's dims
-            return dq, dk, dv
-
-        return preprocess, dkdv, None, finish
-    dq = torch.empty_like(q)
-    dq4 = _as_4d(dq)
+    if accum == "gluon":  # adds dQ already scaled, into whole tiles of rows
+        _install_descriptor_allocator(q.device)
+        one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
+                    and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
+        dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
+        return (preprocess, dkdv, None), buffers, None
+    if accum == "tl":
+        dkdv = KernelLaunch(flash_bwd_fused_kernel,
+                            (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                            flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
+        return (preprocess, dkdv, None), buffers, sm_scale
+    dq4 = _as_4d(buffers["dq"])
     dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                         flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
@@ -300,19 +373,50 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
             dkdv = gluon_dkdv
         if gluon or "dq" in hopper_backward.GLUON_PASSES:
             dq_pass = gluon_dq
-    return preprocess, dkdv, dq_pass, lambda: (dq, dk, dv)
+    return (preprocess, dkdv, dq_pass), buffers, None
 
 
 def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
                    gluon: bool | None = None):
-    """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs."""
-    preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, grad_out, is_causal, fused,
-                                                          gluon=gluon)
-    preprocess()
-    dkdv()
-    if dq_pass is not None:
-        dq_pass()
-    return finish()
+    """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs.
+    Repeat calls of one input signature replay a launch plan (`launch_plan`)."""
+    if not launch_plan.plans_enabled() or q.device.type != "cuda":
+        launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False,
+                                                            gluon, None)
+        for launch in launches:
+            if launch is not None:
+                launch()
+        return _backward_result(q, buffers, accum_scale)
+    key = ("backward", bool(is_causal), fused, gluon, torch.backends.cuda.matmul.allow_tf32,
+           launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
+    plan = launch_plan.lookup(key)
+    if plan is not None:
+        return plan(q, k, v, out, lse, grad_out)
+    launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False,
+                                                        gluon, None)
+    tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
+    captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches if launch is not None]
+    if all(c is not None for c in captured):
+        accum = None if "dq_accum" not in buffers else ("gluon" if accum_scale is None else "tl")
+        launch_plan.store(key, _BackwardPlan(tuple(captured), accum, accum_scale))
+    return _backward_result(q, buffers, accum_scale)
+
+
+@dataclass
+class _BackwardPlan:
+    launches: tuple[launch_plan.CapturedLaunch, ...]
+    accum: str | None  # `_backward_buffers`' accumulator kind
+    accum_scale: float | None
+
+    def __call__(self, q, k, v, out, lse, grad_out):
+        buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, self.accum)
+        addresses = {name: t.data_ptr() for name, t in buffers.items()}
+        addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
+                         grad_out=grad_out.data_ptr())
+        _install_descriptor_allocator(q.device)
+        for launch in self.launches:
+            launch(addresses)
+        return _backward_result(q, buffers, self.accum_scale)
 
 
 class FlashAttentionTriton(torch.autograd.Function):

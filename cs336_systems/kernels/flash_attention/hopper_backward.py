@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.kernels._triton_utils import interpreting
+from cs336_systems.kernels.flash_attention.launch_plan import bound_values
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 HEAD_DIMS = (64, 128)
@@ -534,6 +535,14 @@ class GluonPass:
             self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                                      STAGES=num_stages, num_warps=num_warps)
         return launch
+
+    def launch_for_plan(self):
+        """Launch with the default config; (compiled kernel, grid, every parameter's value) for `launch_plan`."""
+        block_m, block_n, num_warps, num_stages = self.config
+        params = dict(self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages)
+        grid = self.grid(block_m, block_n)
+        compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
+        return compiled, grid, bound_values(self.kernel, self.args, params)
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -59,11 +59,13 @@ run_stage() {
       run_stage attention-handout
       ;;
     attention-flash)
-      # FLASH_D / FLASH_DTYPE / FLASH_SEQ narrow it (comma lists): one head dim in both dtypes takes about
+      # FLASH_D / FLASH_DTYPE / FLASH_SEQ / FLASH_PROVIDERS narrow it (comma lists); --kernel-time adds each
+      # measurement's GPU kernel time (metric kernel_time). One head dim in both dtypes takes about
       # 9 min (d 32: bf16 3.2 min; fp32's first case alone 162 s, mostly compiles, before --precompile-workers),
       # so all four do not fit in one 10-minute call.
       python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" \
-        --dtype "${FLASH_DTYPE:-bf16,fp32}" ${FLASH_SEQ:+--seq "$FLASH_SEQ"} --rep-ms 40 --no-progress \
+        --dtype "${FLASH_DTYPE:-bf16,fp32}" ${FLASH_SEQ:+--seq "$FLASH_SEQ"} ${FLASH_PROVIDERS:+--provider "$FLASH_PROVIDERS"} \
+        --rep-ms 40 --kernel-time --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       ;;

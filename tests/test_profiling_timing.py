@@ -3,8 +3,10 @@
 import time
 
 import pytest
+import torch
 
-from cs336_systems.profiling.timing import Timing, bench_kernel, time_fn
+from cs336_systems.profiling.timing import Timing, bench_kernel, kernel_time_ms, time_fn
+from tests._support import requires_cuda
 
 
 def test_time_fn_counts_calls_and_measures_sleep():
@@ -55,3 +57,21 @@ def test_timing_stats_spread():
 
 def test_bench_kernel_on_cpu_returns_samples():
     assert bench_kernel(lambda: sum(range(100)), device="cpu").n >= 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_kernel_time_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        kernel_time_ms(lambda: None)
+
+
+@requires_cuda
+def test_kernel_time_counts_gpu_work_and_leaves_out_host_waits():
+    a = torch.randn(2048, 2048, device="cuda")
+    matmul_ms = kernel_time_ms(lambda: a @ a)
+    assert matmul_ms > 0
+
+    def slow_host():  # the same kernel behind 5 ms of host time: the wall clock grows, the kernel time doesn't
+        time.sleep(0.005)
+        a @ a
+    assert kernel_time_ms(slow_host) < 2 * matmul_ms + 0.5

@@ -101,3 +101,22 @@ def test_cross_entropy_section_from_gpu_rows(tmp_path):
     section = text[text.index("## Fused LM head + cross-entropy"):]
     assert "| 1.5 " in section or "1.5 |" in section  # plain / fused
     assert "1.25" in section and "oom" in section and "3.5" in section
+
+
+def test_attention_kernel_time_table_sits_beside_wall_time(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    shape = dict(batch=1, heads=1, seq=8192, d=64, dtype="bf16", causal=True)
+    rows = []
+    for provider, wall, kernel in (("triton", 0.54, 0.21), ("sdpa-flash", 0.47, 0.39), ("sdpa-cudnn", 0.28, 0.27)):
+        for p in ("fwd", "fwd-bwd"):
+            rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
+            rows.append(_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": p}))
+            rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    section = text[text.index("GPU kernel time (torch.profiler"):]
+    assert "triton kernel" in section and "triton wall" in section
+    assert "1.286" in section  # cuDNN's kernel time / ours: 0.27 / 0.21
+    assert "1.857" in section  # SDPA-flash's: 0.39 / 0.21

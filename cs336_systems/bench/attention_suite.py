@@ -40,7 +40,7 @@ from cs336_systems.bench.common import (
 )
 from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
-from cs336_systems.profiling.timing import bench_kernel, time_fn
+from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
 
 OURS = ("triton", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd", "triton-compile-bwd", "pytorch-flash",
         "naive", "naive-compiled")
@@ -100,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(CUDA; 0: the autotuner compiles them in the first case, one by one)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per measurement")
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up time per measurement")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="also record each measurement's GPU kernel time per call (torch.profiler; metric "
+                             "kernel_time): beside `time` it shows how host-bound a short call is (CUDA only)")
     parser.add_argument("--plot", default=None, help="write a TFLOP/s-vs-sequence plot of this run to this PNG")
     add_common_arguments(parser)
 
@@ -217,13 +220,15 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             # Donated buffers forbid the retained-graph backward the `bwd` pass times; AOTAutograd compiles
             # the backward lazily, at the first backward call, so the switch covers the whole measurement.
             with torch._functorch.config.patch(donated_buffer=False) if compiled else contextlib.nullcontext():
-                timing, memory = _measure(p, fn, q, k, v, grad_out, args)
+                timing, memory, kernel_ms = _measure(p, fn, q, k, v, grad_out, args)
             row = config | {"pass": p}
             store.add(provider=case.provider, config=row, metric="time", unit="ms", stats=timing.stats())
             store.add(provider=case.provider, config=row, metric="tflops", unit="TFLOP/s",
                       value=flops_fwd * FLOP_FACTOR[p] / timing.median / 1e12)
             for name, value in memory.items():
                 store.add(provider=case.provider, config=row, metric=name, unit="GiB", value=value / 2**30)
+            if kernel_ms is not None:
+                store.add(provider=case.provider, config=row, metric="kernel_time", unit="ms", value=kernel_ms)
         except Exception as error:
             status = "oom" if is_oom(error) else "unsupported"
             store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms", status=status,
@@ -264,7 +269,10 @@ def _measure(p: str, fn, q, k, v, grad_out, args):
                               grad_to_none=[q, k, v])
     if device.type == "cuda":
         memory["peak_allocated"] = torch.cuda.max_memory_allocated(device)
-    return timing, memory
+    kernel_ms = None
+    if getattr(args, "kernel_time", False) and device.type == "cuda":
+        kernel_ms = kernel_time_ms(call, grad_to_none=[q, k, v])
+    return timing, memory, kernel_ms
 
 
 def speedups(frame: pd.DataFrame, ours: str = "triton") -> pd.DataFrame:

@@ -276,7 +276,7 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
             try:
                 q, k, v = (torch.randn(*shape, device=args.device, dtype=DTYPES[args.dtype], requires_grad=True)
                            for _ in range(3))
-                timing, _ = measure(p, fn, q, k, v, torch.randn_like(q), args)
+                timing, _, _ = measure(p, fn, q, k, v, torch.randn_like(q), args)
                 store.add(provider=provider, config=base | dict(kernel=p), metric="time", unit="ms",
                           stats=timing.stats())
             except Exception as error:

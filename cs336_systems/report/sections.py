@@ -231,6 +231,28 @@ def memory_profiling(doc: Document, r: Results) -> None:
                       f"({batch * 128 * d * 4 / 2**20:.0f} MiB at 128)."))
 
 
+def _attention_kernel_time(doc: Document, att: pd.DataFrame) -> None:
+    """Wall time beside GPU kernel time (`--kernel-time` rows), fwd+bwd at seq >= 8192: where the two differ the
+    call is host-bound, and the kernel-time ratio is what the kernels alone achieve."""
+    keys = ["provider", "batch", "heads", "seq", "d", "dtype", "pass"]
+    both = att[att["metric"].isin(["time", "kernel_time"]) & (att["status"] == "ok") & (att["pass"] == "fwd-bwd")
+               & (att["seq"] >= 8192) & (att["heads"] > 0)]
+    kernel = latest(both[both["metric"] == "kernel_time"], keys)
+    if kernel.empty:
+        return
+    wall = latest(both[both["metric"] == "time"], keys)
+    merged = kernel.merge(wall, on=keys, suffixes=(" kernel", " wall"))
+    # one row per shape: provider's wall and kernel ms side by side
+    table = merged.pivot_table(index=["batch", "heads", "seq", "d", "dtype"], columns="provider",
+                               values=["median wall", "median kernel"])
+    table.columns = [f"{provider} {kind.split()[1]}" for kind, provider in table.columns]
+    for base in ("sdpa-flash", "sdpa-cudnn"):
+        if f"{base} kernel" in table and "triton kernel" in table:
+            table[f"kernel-time speed-up vs {base}"] = table[f"{base} kernel"] / table["triton kernel"]
+    doc.add(Table(table.reset_index().round(3), "fwd+bwd ms: wall (do_bench) and GPU kernel time (torch.profiler, "
+                                                "`cs336-bench attention --kernel-time`)"))
+
+
 def attention_benchmarks(doc: Document, r: Results) -> None:
     doc.add(Heading("pytorch_attention, torch_compile (a), flash_benchmarking"))
     att = r.frame("attention")
@@ -282,8 +304,11 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
             "`triton` is the default backward: on Hopper at d 128 the warp-specialised one-pass kernel "
             "(`hopper_one_pass.py`: each program owns 128 keys and adds its share of dQ into fp32 rows by TMA "
             "reduce-add, so dQ is not bit-reproducible), elsewhere two passes. `triton-two-pass-bwd` is always "
-            "the two deterministic passes. A single-head call at seq <= 16384 is host-bound: a few hundred "
-            "microseconds of Python launches against a fraction of that in GPU work (notes/flash_attention.md)."))
+            "the two deterministic passes. Repeat calls replay launch plans (`launch_plan.py`: the compiled "
+            "kernels called directly, without Triton's per-call argument binding). A short single-head call is "
+            "still host-bound: the host's few hundred microseconds of Python per forward + backward exceed the "
+            "GPU's work (notes/flash_attention.md; the kernel-time table below, where measured)."))
+        _attention_kernel_time(doc, att)
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
                     & (att["d"] == 128)], ["batch", "heads", "seq", "d", "pass"])
     if not tf.empty:

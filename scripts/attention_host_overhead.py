@@ -2,7 +2,8 @@
 
 At seq 128 the GPU work of an attention call is a few microseconds, so do_bench measures how fast the host
 issues it. This prints, for our Triton FlashAttention (with and without launch plans,
-`kernels/flash_attention/launch_plan.py`) and SDPA's flash and cuDNN backends, the wall time per call of
+`kernels/flash_attention/launch_plan.py`, and replayed from C++, `native_launch.py`) and SDPA's flash and cuDNN
+backends, the wall time per call of
 forward (no grad), forward (grad enabled, graph built) and forward+backward, each averaged over many calls
 with one synchronisation at the end, and the GPU's kernel time per forward+backward (torch.profiler); then
 the backward's parts, Triton's own launch cost as a control, and cProfile's top entries for our forward
@@ -148,11 +149,16 @@ def main() -> None:
         return attend
 
     attention = {
-        "triton, plans off": lambda: flash_attention(q, k, v, True),
-        "triton": lambda: flash_attention(q, k, v, True),
+        "triton, plans off": lambda: flash_attention(q, k, v, True, launcher="python"),
+        "triton": lambda: flash_attention(q, k, v, True, launcher="python"),
+        "triton native": lambda: flash_attention(q, k, v, True, launcher="native"),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    if native_launch.load_module() is None:
+        del attention["triton native"]
     lines = [f"seq {args.seq}, d {args.d}, bf16, causal, 1 x 1 heads; microseconds per call, wall (one sync per "
              f"{args.calls} calls) and GPU (kernel time per call, torch.profiler); 'plans off': every call through "
              f"the normal launch path (launch_plan.use_plans(False))"]

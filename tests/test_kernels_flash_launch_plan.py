@@ -85,14 +85,23 @@ PLAN_CASES = [(1, 2, 1000, 1000, 128, torch.bfloat16), (2, 3, 513, 257, 64, torc
               (1, 2, 200, 200, 64, torch.float32)]
 
 
-def _attend(q, k, v, causal, backward, grad_out):
+def _attend(q, k, v, causal, backward, grad_out, launcher="python"):
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
     for t in (q, k, v):
         t.grad = None
-    out = flash_attention(q, k, v, causal, backward=backward)
+    out = flash_attention(q, k, v, causal, backward=backward, launcher=launcher)
     out.backward(grad_out)
     return out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+
+def _assert_same_results(ours, expected, backward):
+    for name, mine, theirs in zip(("out", "dq", "dk", "dv"), ours, expected):
+        if name == "dq" and backward in ("triton", "fused"):
+            # One-pass dQ is an fp32 sum in arrival order: equal up to that order's rounding.
+            torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+        else:
+            assert torch.equal(mine, theirs), name
 
 
 def _fresh_inputs(batch, heads, nq, nk, d, dtype, seed):
@@ -120,12 +129,7 @@ def test_replayed_plan_matches_the_launch_path(case, causal, backward):
         direct = _attend(q, k, v, causal, backward, grad_out)
     finally:
         launch_plan.use_plans(True)
-    for name, ours, expected in zip(("out", "dq", "dk", "dv"), replayed, direct):
-        if name == "dq" and backward in ("triton", "fused"):
-            # One-pass dQ is an fp32 sum in arrival order: equal up to that order's rounding.
-            torch.testing.assert_close(ours, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-        else:
-            assert torch.equal(ours, expected), name
+    _assert_same_results(replayed, direct, backward)
 
 
 @requires_cuda
@@ -167,3 +171,157 @@ def test_self_attention_on_one_tensor_makes_no_plan_and_replays_correctly():
     again, _ = flash_forward(x, x, x, True)  # replayed with one address in three roles
     assert launch_plan.plan_count() == 1
     assert torch.equal(again, out)
+
+
+# ---- native plans (native_launch.py / .cpp): the parameter packing on CPU, the replay on the GPU ----
+
+class _FakeMetadata:
+    launch_cooperative_grid = False
+    launch_pdl = False
+    global_scratch_size = 128
+    profile_scratch_size = 0
+
+
+class _FakeKernel(_FakeCompiled):
+    """A compiled kernel's metadata as native_launch.kernel_spec reads it."""
+
+    function = 0xABC
+    metadata = _FakeMetadata()
+    packed_metadata = (8, 1, 99328)
+
+    class src:  # noqa: N801 (stands in for the kernel's ASTSource)
+        signature = {"Q": "*bf16", "L": "*fp32", "scratch": "*fp32", "n": "i32", "big": "i64", "scale": "fp32",
+                     "BLOCK": "constexpr"}
+
+    def _init_handles(self):
+        pass
+
+
+def _fake_capture():
+    q, lse = torch.zeros(4), torch.zeros(4)
+    values = [q, lse, None, 1000, 2**40, 0.125, 64]
+    return launch_plan.capture(_FakeKernel(), (5, 6), values, dict(q=q, lse=lse))
+
+
+def test_kernel_spec_follows_the_compiled_signature():
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    function, config, kinds, integers, reals = native_launch.kernel_spec(_fake_capture())
+    assert function == 0xABC and config == [5, 6, 1, 8, 1, 99328, 0, 0, 128]
+    names = [native_launch.ARG_KINDS[k] for k in kinds]
+    assert names == ["tensor", "tensor", "null", "i32", "i64", "fp32"]  # the constexpr is not a parameter
+    assert integers[:2] == [native_launch.SLOTS.index("q"), native_launch.SLOTS.index("lse")]
+    assert integers[3:5] == [1000, 2**40] and reals[5] == 0.125
+
+
+def test_kernel_spec_refuses_scalars_it_cannot_pack():
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    captured = _fake_capture()
+    half_scale = dict(_FakeKernel.src.signature, scale="fp16")  # a half-precision scalar: not packed
+    captured.compiled = type("Half", (_FakeKernel,), {"src": type("src", (), {"signature": half_scale})})()
+    assert native_launch.kernel_spec(captured) is None
+
+
+def test_native_parameters_are_packed_as_tritons_launcher_packs_them():
+    """Each parameter in 8 bytes of its own in its C type (int32, int64, float32 bits), then the global
+    scratch and profile scratch pointers: backends/nvidia/driver.py's `_launch` takes `&argN` of each."""
+    import struct
+
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.skip("the native extension did not build here")
+    spec = native_launch.kernel_spec(_fake_capture())
+    addresses = [0x1000 * (i + 1) for i in range(len(native_launch.SLOTS))]
+    packed = module.packed_parameters(spec, addresses, 0x7700)
+    expected = b"".join([
+        struct.pack("<Q", addresses[native_launch.SLOTS.index("q")]),
+        struct.pack("<Q", addresses[native_launch.SLOTS.index("lse")]),
+        struct.pack("<Q", 0),
+        struct.pack("<i", 1000) + bytes(4),
+        struct.pack("<q", 2**40),
+        struct.pack("<f", 0.125) + bytes(4),
+        struct.pack("<Q", 0x7700),  # global scratch
+        struct.pack("<Q", 0),  # profile scratch
+    ])
+    assert packed == expected
+
+
+def _native_module():
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.fail("the native extension did not build on this GPU machine")
+    return module
+
+
+@requires_cuda
+@pytest.mark.parametrize("backward", ["triton", "two-pass", "tl", "fused"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_native_replay_matches_the_python_path(case, causal, backward):
+    *shape, dtype = case
+    _native_module()
+    q, k, v = _fresh_inputs(*shape, dtype, seed=0)
+    _attend(q, k, v, causal, backward, torch.randn_like(q), launcher="native")  # makes the native plan
+    q, k, v = _fresh_inputs(*shape, dtype, seed=1)
+    grad_out = torch.randn_like(q)
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    assert "FlashAttentionNative" in flash_attention(q, k, v, causal, backward=backward,
+                                                     launcher="native").grad_fn.name()
+    native = _attend(q, k, v, causal, backward, grad_out, launcher="native")
+    _assert_same_results(native, _attend(q, k, v, causal, backward, grad_out, launcher="python"), backward)
+
+
+@requires_cuda
+def test_native_replay_on_head_views_and_a_broadcast_gradient():
+    """The model's strided head views; `out.sum()`'s gradient has stride 0, so the C++ backward copies it into
+    O's layout before its plan runs."""
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _native_module()
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 300, 3, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def attend(launcher):
+        qkv.grad = None
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+        out = flash_attention(q, k, v, True, launcher=launcher)
+        out.float().sum().backward()
+        return out.detach().clone(), qkv.grad.clone()
+
+    attend("native")  # makes the plan
+    native, python = attend("native"), attend("python")
+    assert torch.equal(native[0], python[0]) and torch.equal(native[1], python[1])  # d 64: two passes
+
+
+@requires_cuda
+def test_native_launches_go_to_the_current_stream():
+    module = _native_module()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert module.current_stream(torch.cuda.current_device()) == side.cuda_stream
+    assert module.current_stream(torch.cuda.current_device()) == torch.cuda.current_stream().cuda_stream
+
+
+@requires_cuda
+def test_native_falls_back_for_aliased_inputs():
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _native_module()
+    x = torch.randn(1, 2, 170, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attention(x, x, x, True, launcher="native")
+    assert "FlashAttentionNative" not in out.grad_fn.name()  # the Python path took it
+    assert torch.equal(out, flash_attention(x, x, x, True, launcher="python"))
+
+
+def test_unknown_launcher_is_rejected():
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    x = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="launcher must be one of python, native"):
+        flash_attention(x, x, x, launcher="cuda-graph")

@@ -20,7 +20,13 @@ import triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
-from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward, hopper_one_pass, launch_plan
+from cs336_systems.kernels.flash_attention import (
+    hopper_backward,
+    hopper_forward,
+    hopper_one_pass,
+    launch_plan,
+    native_launch,
+)
 from cs336_systems.kernels.flash_attention.backward import (
     compiled_backward,
     flash_bwd_fused_kernel,
@@ -181,7 +187,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         launch, out, lse = forward_launch(q, k, v, is_causal)
         launch()
         return out, lse
-    key = ("forward", bool(is_causal), torch.backends.cuda.matmul.allow_tf32, launch_plan.tensor_signature(q, k, v))
+    key = forward_plan_key(q, k, v, is_causal)
     plan = launch_plan.lookup(key)
     if plan is not None:
         return plan(q, k, v)
@@ -190,6 +196,16 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if captured is not None:
         launch_plan.store(key, _ForwardPlan(captured))
     return out, lse
+
+
+def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
+    return "forward", bool(is_causal), torch.backends.cuda.matmul.allow_tf32, launch_plan.tensor_signature(q, k, v)
+
+
+def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
+                      gluon: bool | None = None) -> tuple:
+    return ("backward", bool(is_causal), fused, gluon, torch.backends.cuda.matmul.allow_tf32,
+            launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
 
 
 @dataclass
@@ -387,8 +403,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | N
             if launch is not None:
                 launch()
         return _backward_result(q, buffers, accum_scale)
-    key = ("backward", bool(is_causal), fused, gluon, torch.backends.cuda.matmul.allow_tf32,
-           launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
+    key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, fused, gluon)
     plan = launch_plan.lookup(key)
     if plan is not None:
         return plan(q, k, v, out, lse, grad_out)
@@ -447,13 +462,30 @@ class FlashAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton") -> torch.Tensor:
+LAUNCHERS = ("python", "native")
+
+
+def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton",
+                    launcher: str | None = None) -> torch.Tensor:
     """Our Triton FlashAttention-2. backward: "triton" (the fastest measured: two deterministic passes, in Gluon
     on Hopper where the inputs qualify, but one pass at `hopper_backward.ONE_PASS_HEAD_DIMS`), "two-pass"
     (always the two passes: bit-reproducible), "tl" (the two passes in `tl` everywhere), "fused" (one pass, dQ
-    reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch, the handout's first step)."""
+    reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch, the handout's first step).
+    launcher: "python" (this module's autograd Function; repeat calls replay `launch_plan` plans), "native"
+    (repeat calls replayed by a C++ autograd node, `native_launch.py`, where a plan can be made: CUDA, not
+    under torch.compile or a dispatch mode, not backward="compile"; else the Python path) or None (default:
+    "native" where `native_launch.native_enabled()`, else "python")."""
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
+    if launcher is None:
+        launcher = "native" if native_launch.native_enabled() else "python"
+    elif launcher not in LAUNCHERS:
+        raise ValueError(f"flash_attention: launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if (launcher == "native" and backward in native_launch.BACKWARD_CODES and isinstance(q, torch.Tensor)
+            and q.device.type == "cuda" and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()):
+        out = native_launch.attention(q, k, v, is_causal, backward)
+        if out is not None:
+            return out
     return FlashAttentionTriton.apply(q, k, v, is_causal, backward)
 
 

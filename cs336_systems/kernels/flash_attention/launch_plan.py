@@ -79,21 +79,15 @@ def bound_values(jit_function, args: tuple, kwargs: dict) -> list:
     return list(bound.arguments.values())
 
 
-def compiled_runner(compiled, grid: tuple) -> Callable:
-    """The compiled kernel's own launcher for a fixed grid (three dims)."""
-    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
-        compiled = compiled.result()
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    return compiled[grid]
-
-
 @dataclass
 class CapturedLaunch:
     """One kernel launch with its tensor arguments replaced by named slots."""
 
-    runner: Callable
+    runner: Callable  # the compiled kernel's own launcher for `grid`
     values: list  # every parameter's value; a slot's entry is overwritten per call
     slots: tuple[tuple[int, str], ...]  # (parameter position, tensor name)
+    compiled: object  # Triton's CompiledKernel (native_launch.py reads its function and metadata)
+    grid: tuple[int, int, int]
 
     def __call__(self, addresses: dict[str, int]) -> None:
         values = self.values.copy()
@@ -118,4 +112,7 @@ def capture(compiled, grid: tuple, values: list, tensors: dict[str, torch.Tensor
                 return None
             slots.append((position, names[0]))
             values[position] = None
-    return CapturedLaunch(compiled_runner(compiled, grid), values, tuple(slots))
+    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
+        compiled = compiled.result()
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    return CapturedLaunch(compiled[grid], values, tuple(slots), compiled, grid)

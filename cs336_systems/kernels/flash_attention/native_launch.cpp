@@ -1,0 +1,311 @@
+// Our FlashAttention's launch plans replayed from C++: the autograd node and the kernel launches of a repeat
+// call, with no Python between `flash_attention` and cuLaunchKernelEx (see native_launch.py for why).
+//
+// A plan is registered from Python once per input signature (launch_plan.py captured its kernels): for each
+// kernel, the CUfunction Triton loaded, the grid, the launch configuration Triton's own launcher would use
+// (warps, CTAs per cluster, shared memory, cooperative / PDL flags, global scratch per program) and one entry
+// per non-constexpr parameter: a tensor slot (filled per call with that tensor's address) or a scalar. The
+// parameters are packed as Triton's generated launcher packs them (backends/nvidia/driver.py, make_launcher):
+// each value in its own storage, then the global and profile scratch pointers.
+//
+// It builds against torch's CPU headers and Triton's bundled cuda.h: the driver is opened with dlopen and the
+// current stream comes through c10's device-generic interface, so nothing links against CUDA here.
+
+#include <torch/extension.h>
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "cuda.h"
+
+namespace {
+
+// Tensor slots, in the order native_launch.SLOTS names them.
+enum Slot : int64_t { kQ, kK, kV, kOut, kLse, kGradOut, kDelta, kDk, kDv, kDq, kDqAccum, kNumSlots };
+
+// Parameter kinds, in the order native_launch.ARG_KINDS names them.
+enum ArgKind : int64_t { kTensor, kNullPointer, kI1, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kF32, kF64 };
+
+struct Arg {
+  int64_t kind;
+  int64_t integer;  // the slot for kTensor, the value for integer kinds
+  double real;      // the value for kF32 / kF64
+};
+
+struct Kernel {
+  CUfunction function;
+  std::array<uint32_t, 3> grid;
+  int64_t num_warps, num_ctas, shared_memory, cooperative, pdl, global_scratch;
+  std::vector<Arg> args;
+};
+
+enum Accum : int64_t { kNoAccum, kGluonAccum, kTlAccum };
+
+struct Plan {
+  std::vector<Kernel> forward, backward;
+  int64_t accum;  // where dQ goes: dq (two passes) or an fp32 accumulator (one pass)
+  double accum_scale;  // applied to the tl accumulator; unused otherwise
+  int64_t accum_rows, accum_cols;
+};
+
+using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+
+LaunchEx launch_ex() {
+  static LaunchEx function = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
+    TORCH_CHECK(library != nullptr, "cs336 native attention: cannot open libcuda.so.1");
+    auto symbol = reinterpret_cast<LaunchEx>(dlsym(library, "cuLaunchKernelEx"));
+    TORCH_CHECK(symbol != nullptr, "cs336 native attention: libcuda.so.1 has no cuLaunchKernelEx");
+    return symbol;
+  }();
+  return function;
+}
+
+// Each parameter in 8 bytes of its own, written as its C type: the launcher passes pointers to these.
+std::vector<uint64_t> pack(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& addresses,
+                           uint64_t global_scratch) {
+  std::vector<uint64_t> storage(kernel.args.size() + 2, 0);
+  for (size_t i = 0; i < kernel.args.size(); ++i) {
+    const Arg& arg = kernel.args[i];
+    void* slot = &storage[i];
+    switch (arg.kind) {
+      case kTensor: storage[i] = addresses.at(arg.integer); break;
+      case kNullPointer: storage[i] = 0; break;
+      case kI1: case kI8: { int8_t v = static_cast<int8_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kI16: { int16_t v = static_cast<int16_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kI32: { int32_t v = static_cast<int32_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kI64: { int64_t v = arg.integer; std::memcpy(slot, &v, sizeof v); break; }
+      case kU8: { uint8_t v = static_cast<uint8_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kU16: { uint16_t v = static_cast<uint16_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kU32: { uint32_t v = static_cast<uint32_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kU64: { uint64_t v = static_cast<uint64_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
+      case kF32: { float v = static_cast<float>(arg.real); std::memcpy(slot, &v, sizeof v); break; }
+      case kF64: { double v = arg.real; std::memcpy(slot, &v, sizeof v); break; }
+      default: TORCH_CHECK(false, "cs336 native attention: unknown parameter kind ", arg.kind);
+    }
+  }
+  storage[kernel.args.size()] = global_scratch;  // then profile scratch: 0 (plans refuse kernels that need it)
+  return storage;
+}
+
+void launch(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& addresses, const c10::Device& device) {
+  at::Tensor scratch;  // Triton's per-program global scratch (in-kernel tensor descriptors), stream-ordered
+  uint64_t scratch_address = 0;
+  if (kernel.global_scratch > 0) {
+    int64_t bytes = int64_t(kernel.grid[0]) * kernel.grid[1] * kernel.grid[2] * kernel.num_ctas * kernel.global_scratch;
+    scratch = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+    scratch_address = reinterpret_cast<uint64_t>(scratch.data_ptr());
+  }
+  std::vector<uint64_t> storage = pack(kernel, addresses, scratch_address);
+  std::vector<void*> params(storage.size());
+  for (size_t i = 0; i < storage.size(); ++i) params[i] = &storage[i];
+
+  c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
+  CUlaunchAttribute attributes[4];
+  CUlaunchConfig config{};
+  config.gridDimX = kernel.grid[0] * kernel.num_ctas;
+  config.gridDimY = kernel.grid[1];
+  config.gridDimZ = kernel.grid[2];
+  config.blockDimX = 32 * kernel.num_warps;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.sharedMemBytes = kernel.shared_memory;
+  config.hStream = reinterpret_cast<CUstream>(stream.native_handle());
+  config.attrs = attributes;
+  unsigned int count = 0;
+  if (kernel.pdl) {
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attributes[count++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (kernel.cooperative) {
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+    attributes[count++].value.cooperative = 1;
+  }
+  if (kernel.num_ctas != 1) {
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attributes[count].value.clusterDim.x = kernel.num_ctas;
+    attributes[count].value.clusterDim.y = 1;
+    attributes[count++].value.clusterDim.z = 1;
+    attributes[count].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE;
+    attributes[count++].value.clusterSchedulingPolicyPreference = CU_CLUSTER_SCHEDULING_POLICY_SPREAD;
+  }
+  config.numAttrs = count;
+  if (config.gridDimX * config.gridDimY * config.gridDimZ == 0) return;
+  CUresult result = launch_ex()(&config, kernel.function, params.data(), nullptr);
+  TORCH_CHECK(result == CUDA_SUCCESS, "cs336 native attention: cuLaunchKernelEx failed with CUresult ", int(result));
+}
+
+uint64_t address(const at::Tensor& t) { return t.defined() ? reinterpret_cast<uint64_t>(t.data_ptr()) : 0; }
+
+// The signature a plan was made for: everything the Python launch path decided on and Triton specialised on
+// (launch_plan.tensor_signature, plus the flags).
+std::vector<int64_t> signature(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                               int64_t backward) {
+  std::vector<int64_t> key{causal, backward, at::globalContext().allowTF32CuBLAS()};
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    key.push_back(t->dim());
+    for (int64_t size : t->sizes()) key.push_back(size);
+    for (int64_t stride : t->strides()) key.push_back(stride);
+    key.push_back(static_cast<int64_t>(t->scalar_type()));
+    key.push_back(static_cast<int64_t>(t->device().type()));
+    key.push_back(t->device().index());
+    key.push_back(address(*t) % 16 == 0);
+  }
+  return key;
+}
+
+std::mutex registry_mutex;
+std::map<std::vector<int64_t>, std::unique_ptr<Plan>> registry;  // plans live as long as the process
+
+Plan* find(const std::vector<int64_t>& key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto found = registry.find(key);
+  return found == registry.end() ? nullptr : found->second.get();
+}
+
+std::vector<int64_t> shape_without_last(const at::Tensor& t) {
+  return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - 1);
+}
+
+struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNative> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, int64_t plan_address) {
+    const Plan& plan = *reinterpret_cast<const Plan*>(plan_address);
+    c10::DeviceGuard guard(q.device());
+    at::Tensor out = at::empty_like(q);  // q's layout, as the Python launcher's torch.empty_like
+    at::Tensor lse = at::empty(shape_without_last(q), q.options().dtype(at::kFloat));
+    std::array<uint64_t, kNumSlots> addresses{};
+    addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
+    addresses[kOut] = address(out), addresses[kLse] = address(lse);
+    for (const Kernel& kernel : plan.forward) launch(kernel, addresses, q.device());
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["plan"] = plan_address;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Plan& plan = *reinterpret_cast<const Plan*>(ctx->saved_data["plan"].toInt());
+    c10::DeviceGuard guard(q.device());
+    at::Tensor grad_out = grads[0];
+    // The plan was made for a gradient in O's layout (16-byte aligned); anything else is copied into one.
+    if (grad_out.strides() != out.strides() || address(grad_out) % 16 != 0) {
+      at::Tensor copy = at::empty_like(out);
+      copy.copy_(grad_out);
+      grad_out = copy;
+    }
+    at::Tensor delta = at::empty_like(lse), dk = at::empty_like(k), dv = at::empty_like(v), dq, dq_accum;
+    if (plan.accum == kNoAccum) {
+      dq = at::empty_like(q);
+    } else {
+      dq_accum = at::empty({lse.numel() / q.size(-2), plan.accum_rows, plan.accum_cols},
+                           q.options().dtype(at::kFloat));
+    }
+    std::array<uint64_t, kNumSlots> addresses{};
+    addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
+    addresses[kOut] = address(out), addresses[kLse] = address(lse), addresses[kGradOut] = address(grad_out);
+    addresses[kDelta] = address(delta), addresses[kDk] = address(dk), addresses[kDv] = address(dv);
+    addresses[kDq] = address(dq), addresses[kDqAccum] = address(dq_accum);
+    for (const Kernel& kernel : plan.backward) launch(kernel, addresses, q.device());
+    if (plan.accum != kNoAccum) {  // (batch*heads, rows, cols) fp32 -> q's dims and dtype
+      at::Tensor accum = dq_accum.narrow(1, 0, q.size(-2)).narrow(2, 0, q.size(-1));
+      if (plan.accum == kTlAccum) accum.mul_(plan.accum_scale);
+      dq = at::empty_like(q);
+      dq.copy_(accum.view(q.sizes()));
+    }
+    return {dq, dk, dv, at::Tensor()};
+  }
+};
+
+Kernel kernel_from(int64_t function, const std::vector<int64_t>& config, const std::vector<int64_t>& kinds,
+                   const std::vector<int64_t>& integers, const std::vector<double>& reals) {
+  TORCH_CHECK(config.size() == 9, "cs336 native attention: a kernel's config has 9 entries, got ", config.size());
+  TORCH_CHECK(kinds.size() == integers.size() && kinds.size() == reals.size(),
+              "cs336 native attention: kinds, integers and reals must have one entry per parameter");
+  Kernel kernel;
+  kernel.function = reinterpret_cast<CUfunction>(function);
+  kernel.grid = {uint32_t(config[0]), uint32_t(config[1]), uint32_t(config[2])};
+  kernel.num_warps = config[3], kernel.num_ctas = config[4], kernel.shared_memory = config[5];
+  kernel.cooperative = config[6], kernel.pdl = config[7], kernel.global_scratch = config[8];
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    TORCH_CHECK(kinds[i] != kTensor || (integers[i] >= 0 && integers[i] < kNumSlots),
+                "cs336 native attention: tensor slot ", integers[i], " out of range");
+    kernel.args.push_back({kinds[i], integers[i], reals[i]});
+  }
+  return kernel;
+}
+
+using KernelSpec = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                              std::vector<double>>;  // (function, config, kinds, integers, reals)
+
+std::vector<Kernel> kernels_from(const std::vector<KernelSpec>& specs) {
+  std::vector<Kernel> kernels;
+  for (const auto& [function, config, kinds, integers, reals] : specs) {
+    kernels.push_back(kernel_from(function, config, kinds, integers, reals));
+  }
+  return kernels;
+}
+
+void register_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t backward,
+                   const std::vector<KernelSpec>& forward, const std::vector<KernelSpec>& backward_kernels,
+                   int64_t accum, double accum_scale, int64_t accum_rows, int64_t accum_cols) {
+  TORCH_CHECK(accum >= kNoAccum && accum <= kTlAccum, "cs336 native attention: accum must be 0, 1 or 2, got ", accum);
+  auto plan = std::make_unique<Plan>();
+  plan->forward = kernels_from(forward);
+  plan->backward = kernels_from(backward_kernels);
+  plan->accum = accum, plan->accum_scale = accum_scale, plan->accum_rows = accum_rows, plan->accum_cols = accum_cols;
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry[signature(q, k, v, causal, backward)] = std::move(plan);
+}
+
+// Attention through a registered plan, or None where there is none for these inputs (the caller makes one).
+std::optional<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                                    int64_t backward) {
+  Plan* plan = find(signature(q, k, v, causal, backward));
+  if (plan == nullptr) return std::nullopt;
+  return FlashAttentionNative::apply(q, k, v, reinterpret_cast<int64_t>(plan));
+}
+
+// The parameter bytes a kernel spec would be launched with (tests compare them with Triton's packing rules).
+py::bytes packed_parameters(const KernelSpec& spec, const std::vector<int64_t>& slot_addresses,
+                            int64_t global_scratch) {
+  const auto& [function, config, kinds, integers, reals] = spec;
+  Kernel kernel = kernel_from(function, config, kinds, integers, reals);
+  std::array<uint64_t, kNumSlots> addresses{};
+  TORCH_CHECK(slot_addresses.size() <= addresses.size(), "cs336 native attention: too many slot addresses");
+  std::copy(slot_addresses.begin(), slot_addresses.end(), addresses.begin());
+  std::vector<uint64_t> storage = pack(kernel, addresses, uint64_t(global_scratch));
+  return py::bytes(reinterpret_cast<const char*>(storage.data()), storage.size() * sizeof(uint64_t));
+}
+
+// The stream launches go to: the caller's current stream on that device (tests compare it with torch's).
+int64_t current_stream(int64_t device_index) {
+  c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
+  return reinterpret_cast<int64_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle());
+}
+
+size_t plan_count() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  return registry.size();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_plan", &register_plan, "register a launch plan for inputs like (q, k, v)");
+  m.def("attention", &attention, "attention through a registered plan, or None");
+  m.def("packed_parameters", &packed_parameters, "a kernel spec's parameter bytes (for tests)");
+  m.def("plan_count", &plan_count, "registered plans");
+  m.def("current_stream", &current_stream, "the CUDA stream launches on this device go to");
+}

@@ -1,0 +1,179 @@
+"""Native launch plans: a repeat attention call with no Python between `flash_attention` and the kernels.
+
+Launch plans (`launch_plan.py`) take Triton's per-call work out of a repeat call, yet a short call stays
+host-bound: a Python autograd.Function costs about as much host time as SDPA's whole forward and backward
+(`scripts/attention_host_overhead.py`'s control), and on autograd's device thread our Python backward ran
+about twice as slow as on the main thread. This module replays the same plans from C++
+(`native_launch.cpp`): a C++ autograd node whose forward and backward allocate the outputs and call
+cuLaunchKernelEx on the CUfunctions Triton compiled, packing the parameters exactly as Triton's generated
+launcher does. Python only makes a plan, once per input signature, by running the Python path once (which
+captures the launches) and handing the result to C++.
+
+Off by default until measured on the H200 (`CS336_FLASH_NATIVE=1` or `use_native(True)` turns it on). The
+extension is compiled on first use (torch.utils.cpp_extension, about a minute; cached afterwards). Where it
+cannot be built or a signature cannot be planned (aliased inputs, a parameter type the packer does not
+take), calls take the Python path, with one warning for a build failure.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from cs336_systems.kernels.flash_attention import launch_plan
+
+# Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
+SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")
+ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp32", "fp64")
+_INTEGER_TYPES = {"i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"}
+_REAL_TYPES = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
+# backward name -> the code plans are registered under (function._BACKWARD_OPTIONS' names)
+BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
+ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
+
+_enabled = os.environ.get("CS336_FLASH_NATIVE", "0") == "1"
+_module = None
+_build_failed = False
+_refused: set[tuple] = set()  # signatures that cannot be planned (Python path from then on)
+
+
+def native_enabled() -> bool:
+    return _enabled
+
+
+def use_native(enabled: bool) -> None:
+    """Turn native launch plans on or off for this process."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def triton_cuda_include() -> str:
+    """Triton's bundled CUDA driver headers (cuda.h): the extension needs no CUDA toolkit to build."""
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "include")
+
+
+def load_module():
+    """The compiled extension (built on first use), or None where it cannot be built."""
+    global _module, _build_failed
+    if _module is not None or _build_failed:
+        return _module
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).with_name("native_launch.cpp")
+    try:
+        _module = cpp_extension.load(name="cs336_flash_native", sources=[str(source)],
+                                     extra_include_paths=[triton_cuda_include()], extra_cflags=["-O2"],
+                                     extra_ldflags=["-ldl"], verbose=False)
+    except Exception as error:  # no compiler, no headers: the Python path still works
+        _build_failed = True
+        warnings.warn(f"cs336 native attention: the extension did not build ({type(error).__name__}: "
+                      f"{str(error)[:300]}); using the Python launch path", stacklevel=2)
+    return _module
+
+
+def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
+    """(function, config, kinds, integers, reals) for native_launch.cpp, from a captured launch; None where a
+    parameter has a type the packer does not take or the kernel needs profile scratch."""
+    compiled = captured.compiled
+    metadata = compiled.metadata
+    if getattr(metadata, "profile_scratch_size", 0):  # (instrumentation only)
+        return None
+    types = list(compiled.src.signature.values())
+    if len(types) != len(captured.values):
+        return None
+    slots = dict(captured.slots)
+    kinds, integers, reals = [], [], []
+    for position, (type_, value) in enumerate(zip(types, captured.values)):
+        if type_ == "constexpr":
+            continue
+        if not isinstance(type_, str):
+            return None  # tuples, descriptors
+        if type_.startswith("*"):
+            if position in slots:
+                kinds.append(ARG_KINDS.index("tensor"))
+                integers.append(SLOTS.index(slots[position]))
+            elif value is None:
+                kinds.append(ARG_KINDS.index("null"))
+                integers.append(0)
+            else:
+                return None
+            reals.append(0.0)
+        elif type_ in _INTEGER_TYPES:
+            kinds.append(ARG_KINDS.index(type_))
+            integers.append(int(value))
+            reals.append(0.0)
+        elif type_ in _REAL_TYPES:
+            kinds.append(ARG_KINDS.index(_REAL_TYPES[type_]))
+            integers.append(0)
+            reals.append(float(value))
+        else:
+            return None  # fp16/bf16 scalars, tensor descriptors
+    num_warps, num_ctas, shared = compiled.packed_metadata[:3]
+    config = [*captured.grid, num_warps, num_ctas, shared, int(bool(metadata.launch_cooperative_grid)),
+              int(bool(metadata.launch_pdl)), int(getattr(metadata, "global_scratch_size", 0))]
+    compiled._init_handles()
+    return int(compiled.function), config, kinds, integers, reals
+
+
+def _accum_shape(q: torch.Tensor, accum: str | None) -> tuple[int, int]:
+    from cs336_systems.kernels.flash_attention import hopper_backward
+
+    if accum == "gluon":
+        return hopper_backward.one_pass_rows(q.shape[-2]), q.shape[-1]
+    return q.shape[-2], max(16, 1 << math.ceil(math.log2(max(q.shape[-1], 1))))
+
+
+def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str) -> bool:
+    """Run the Python launch path once on inputs like these (its plans capture the launches) and register the
+    result natively. False where it cannot be planned."""
+    from cs336_systems.kernels.flash_attention import function
+
+    module = load_module()
+    if module is None:
+        return False
+    options = function._BACKWARD_OPTIONS[backward]
+    with torch.no_grad():
+        q, k, v = q.detach(), k.detach(), v.detach()
+        for _ in range(2):  # the first call may make the Python plans; the second finds them
+            out, lse = function.flash_forward(q, k, v, is_causal)
+            grad_out = torch.randn_like(out)  # in O's layout: what the C++ backward hands its plan
+            function.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
+        forward = launch_plan.lookup(function.forward_plan_key(q, k, v, is_causal))
+        backward_plan = launch_plan.lookup(function.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,
+                                                                      **options))
+    if forward is None or backward_plan is None:
+        return False
+    specs = [kernel_spec(forward.launch)], [kernel_spec(c) for c in backward_plan.launches]
+    if any(spec is None for spec in (*specs[0], *specs[1])):
+        return False
+    rows, cols = _accum_shape(q, backward_plan.accum)
+    scale = backward_plan.accum_scale if backward_plan.accum_scale is not None else 1.0
+    module.register_plan(q, k, v, bool(is_causal), BACKWARD_CODES[backward], specs[0], specs[1],
+                         ACCUM_CODES[backward_plan.accum], scale, rows, cols)
+    return True
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str):
+    """O through a native plan (made on the first call of a signature), or None: take the Python path."""
+    module = load_module()
+    if module is None or backward not in BACKWARD_CODES:
+        return None
+    out = module.attention(q, k, v, bool(is_causal), BACKWARD_CODES[backward])
+    if out is not None:
+        return out
+    key = (bool(is_causal), backward, launch_plan.tensor_signature(q, k, v))
+    if key in _refused:
+        return None
+    from cs336_systems.kernels.flash_attention.function import validate_attention_inputs
+
+    validate_attention_inputs(q, k, v)  # a plan skips validation from then on: its signature passed it
+    if not make_plan(q, k, v, is_causal, backward):
+        _refused.add(key)
+        return None
+    return module.attention(q, k, v, bool(is_causal), BACKWARD_CODES[backward])

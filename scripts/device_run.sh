@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-gluon, one-pass-ws, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -30,7 +30,7 @@ run_stage() {
       # CS336_AUTOTUNE=0: one config per kernel, so the cold compile of the test matrix stays short.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_weighted_sum.py \
         tests/test_kernels_flash_attention.py tests/test_adapters_attention.py tests/test_attention_registry.py \
-        tests/test_memory_checkpointing.py tests/test_kernels_flash_launch_plan.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+        tests/test_memory_checkpointing.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
@@ -68,6 +68,17 @@ run_stage() {
         --rep-ms 40 --kernel-time --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
+      ;;
+    attention-native)
+      # Launch plans (Python and C++ replay): their GPU tests, the host cost of a call with each launcher, and the
+      # short single-head cases (the host-bound ones) with kernel time beside wall time.
+      CS336_AUTOTUNE=0 timeout 300 python3 -m pytest -q -n 8 -x -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_launch_plan.py 2>&1 | tee "$OUT/tests_launch_plan.log" | tail -15
+      python3 scripts/attention_host_overhead.py --seq 8192 --d 64 \
+        --out "$R/attention_host_overhead_d64_seq8192.txt" 2>&1 | head -12
+      python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype bf16 --seq 8192,16384 \
+        --provider triton,triton-native,sdpa-flash,sdpa-cudnn --rep-ms 40 --kernel-time --no-progress \
+        --results-dir "$R" 2>&1 | tail -30
       ;;
     attention-host)
       # Host time per small attention call (the flash sweep's short sequences are host-bound) and its profile.

@@ -120,3 +120,22 @@ def test_attention_kernel_time_table_sits_beside_wall_time(tmp_path):
     assert "triton kernel" in section and "triton wall" in section
     assert "1.286" in section  # cuDNN's kernel time / ours: 0.27 / 0.21
     assert "1.857" in section  # SDPA-flash's: 0.39 / 0.21
+
+
+def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
+    """The seq >= 8192 table has no dtype column: fp32 rows at the same shape must not be averaged into it."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = []
+    for dtype, ours in (("bf16", 0.25), ("fp32", 4.0)):
+        shape = dict(batch=1, heads=1, seq=8192, d=64, dtype=dtype, causal=True)
+        for provider, wall in (("triton", ours), ("sdpa-cudnn", 0.5)):
+            for p in ("fwd", "fwd-bwd"):
+                rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
+                rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    table = text[text.index("*forward + backward*"):].split("\n\n")[1]
+    assert " 0.25 " in table and " 2 " in table  # ours (bf16) and cuDNN / ours = 2.0
+    assert "2.125" not in table  # the mean of bf16's 0.25 and fp32's 4.0

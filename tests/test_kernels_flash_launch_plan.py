@@ -258,6 +258,59 @@ def _native_module():
     return module
 
 
+def _dry_spec(*slots_and_scalars):
+    """A kernel spec for dry runs (no CUfunction): tensor slots by name, then int32 scalars."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    kinds, integers = [], []
+    for item in slots_and_scalars:
+        if isinstance(item, str):
+            kinds.append(native_launch.ARG_KINDS.index("tensor"))
+            integers.append(native_launch.SLOTS.index(item))
+        else:
+            kinds.append(native_launch.ARG_KINDS.index("i32"))
+            integers.append(item)
+    return 0, [2, 3, 1, 4, 1, 0, 0, 0, 0], kinds, integers, [0.0] * len(kinds)
+
+
+@pytest.mark.parametrize("accum", [0, 1])
+def test_native_node_allocates_and_addresses_like_the_python_path(accum):
+    """The C++ autograd node on CPU tensors with launches recorded, not run: the forward hands its kernel q, k, v
+    and fresh O and L; the backward copies a broadcast gradient into O's layout, allocates D, dK, dV and dQ (or
+    the fp32 accumulator, cast into dQ afterwards) and hands them over; autograd keeps those very tensors as
+    the inputs' .grad (no copy)."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.skip("the native extension did not build here")
+    q, k, v = (torch.randn(2, 3, 40, 16, requires_grad=True) for _ in range(3))
+    forward = _dry_spec("q", "k", "v", "out", "lse", 7)
+    dq_slot = "dq_accum" if accum else "dq"
+    backward = _dry_spec("grad_out", "out", "lse", "delta", "dk", "dv", dq_slot)
+    module.register_plan(q, k, v, True, 1, [forward], [backward], accum, 1.0, 128, 16)
+    module.set_recording(True)
+    try:
+        out = module.attention(q, k, v, True, 1)
+        assert module.attention(q, k, v, False, 1) is None  # another signature: no plan
+        assert out.shape == q.shape and out.stride() == q.stride() and "FlashAttentionNative" in out.grad_fn.name()
+        out.sum().backward()  # a gradient of stride 0
+        launches = module.recorded_launches()
+    finally:
+        module.set_recording(False)
+    assert len(launches) == 2
+    fwd, bwd = launches
+    lse_address = fwd[4]
+    assert fwd[:4] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()] and fwd[5] == 7
+    assert fwd[6:] == [0, 0]  # no global scratch asked for; no profile scratch
+    assert bwd[0] not in (0, out.data_ptr()) and bwd[0] % 16 == 0  # the copied gradient
+    assert bwd[1:3] == [out.data_ptr(), lse_address]
+    assert bwd[4:6] == [k.grad.data_ptr(), v.grad.data_ptr()]  # autograd kept dK and dV themselves
+    if not accum:
+        assert bwd[6] == q.grad.data_ptr()
+    assert q.grad.shape == q.shape and q.grad.dtype == q.dtype
+
+
 @requires_cuda
 @pytest.mark.parametrize("backward", ["triton", "two-pass", "tl", "fused"])
 @pytest.mark.parametrize("causal", [False, True])

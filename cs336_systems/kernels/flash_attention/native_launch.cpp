@@ -97,6 +97,12 @@ std::vector<uint64_t> pack(const Kernel& kernel, const std::array<uint64_t, kNum
   return storage;
 }
 
+// Dry runs: with recording on, launches append their packed parameters here instead of running (tests check
+// the C++ autograd node's allocations and slot addresses on CPU tensors this way).
+std::mutex record_mutex;
+bool recording = false;
+std::vector<std::vector<uint64_t>> recorded;
+
 void launch(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& addresses, const c10::Device& device) {
   at::Tensor scratch;  // Triton's per-program global scratch (in-kernel tensor descriptors), stream-ordered
   uint64_t scratch_address = 0;
@@ -106,6 +112,13 @@ void launch(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& address
     scratch_address = reinterpret_cast<uint64_t>(scratch.data_ptr());
   }
   std::vector<uint64_t> storage = pack(kernel, addresses, scratch_address);
+  {
+    std::lock_guard<std::mutex> lock(record_mutex);
+    if (recording) {
+      recorded.push_back(storage);
+      return;
+    }
+  }
   std::vector<void*> params(storage.size());
   for (size_t i = 0; i < storage.size(); ++i) params[i] = &storage[i];
 
@@ -289,6 +302,17 @@ py::bytes packed_parameters(const KernelSpec& spec, const std::vector<int64_t>& 
   return py::bytes(reinterpret_cast<const char*>(storage.data()), storage.size() * sizeof(uint64_t));
 }
 
+void set_recording(bool on) {
+  std::lock_guard<std::mutex> lock(record_mutex);
+  recording = on;
+  recorded.clear();
+}
+
+std::vector<std::vector<uint64_t>> recorded_launches() {
+  std::lock_guard<std::mutex> lock(record_mutex);
+  return recorded;
+}
+
 // The stream launches go to: the caller's current stream on that device (tests compare it with torch's).
 int64_t current_stream(int64_t device_index) {
   c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index));
@@ -308,4 +332,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_parameters", &packed_parameters, "a kernel spec's parameter bytes (for tests)");
   m.def("plan_count", &plan_count, "registered plans");
   m.def("current_stream", &current_stream, "the CUDA stream launches on this device go to");
+  m.def("set_recording", &set_recording, "dry runs: record launches' packed parameters instead of running them");
+  m.def("recorded_launches", &recorded_launches, "the packed parameters recorded since set_recording");
 }

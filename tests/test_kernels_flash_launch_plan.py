@@ -191,7 +191,7 @@ class _FakeKernel(_FakeCompiled):
 
     class src:  # noqa: N801 (stands in for the kernel's ASTSource)
         signature = {"Q": "*bf16", "L": "*fp32", "scratch": "*fp32", "n": "i32", "big": "i64", "scale": "fp32",
-                     "BLOCK": "constexpr"}
+                     "flag": "u1", "BLOCK": "constexpr"}
 
     def _init_handles(self):
         pass
@@ -199,7 +199,7 @@ class _FakeKernel(_FakeCompiled):
 
 def _fake_capture():
     q, lse = torch.zeros(4), torch.zeros(4)
-    values = [q, lse, None, 1000, 2**40, 0.125, 64]
+    values = [q, lse, None, 1000, 2**40, 0.125, True, 64]
     return launch_plan.capture(_FakeKernel(), (5, 6), values, dict(q=q, lse=lse))
 
 
@@ -209,9 +209,9 @@ def test_kernel_spec_follows_the_compiled_signature():
     function, config, kinds, integers, reals = native_launch.kernel_spec(_fake_capture())
     assert function == 0xABC and config == [5, 6, 1, 8, 1, 99328, 0, 0, 128]
     names = [native_launch.ARG_KINDS[k] for k in kinds]
-    assert names == ["tensor", "tensor", "null", "i32", "i64", "fp32"]  # the constexpr is not a parameter
+    assert names == ["tensor", "tensor", "null", "i32", "i64", "fp32", "u8"]  # the constexpr is not a parameter
     assert integers[:2] == [native_launch.SLOTS.index("q"), native_launch.SLOTS.index("lse")]
-    assert integers[3:5] == [1000, 2**40] and reals[5] == 0.125
+    assert integers[3:5] == [1000, 2**40] and reals[5] == 0.125 and integers[6] == 1
 
 
 def test_kernel_spec_refuses_scalars_it_cannot_pack():
@@ -224,7 +224,7 @@ def test_kernel_spec_refuses_scalars_it_cannot_pack():
 
 
 def test_native_parameters_are_packed_as_tritons_launcher_packs_them():
-    """Each parameter in 8 bytes of its own in its C type (int32, int64, float32 bits), then the global
+    """Each parameter in 8 bytes of its own in its C type (int32, int64, float32 bits, uint8), then the global
     scratch and profile scratch pointers: backends/nvidia/driver.py's `_launch` takes `&argN` of each."""
     import struct
 
@@ -243,6 +243,7 @@ def test_native_parameters_are_packed_as_tritons_launcher_packs_them():
         struct.pack("<i", 1000) + bytes(4),
         struct.pack("<q", 2**40),
         struct.pack("<f", 0.125) + bytes(4),
+        struct.pack("<B", 1) + bytes(7),
         struct.pack("<Q", 0x7700),  # global scratch
         struct.pack("<Q", 0),  # profile scratch
     ])

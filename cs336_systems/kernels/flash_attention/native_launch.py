@@ -29,8 +29,11 @@ from cs336_systems.kernels.flash_attention import launch_plan
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
 SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")
 ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp32", "fp64")
-_INTEGER_TYPES = {"i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"}
-_REAL_TYPES = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
+# Triton's scalar parameter types -> our kinds, as its launcher stores them (driver.py's ty_to_cpp: "u1", a
+# Python bool, is a uint8_t)
+_INTEGER_KINDS = {"i1": "i1", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64", "u1": "u8", "u8": "u8",
+                  "u16": "u16", "u32": "u32", "u64": "u64"}
+_REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
 # backward name -> the code plans are registered under (function._BACKWARD_OPTIONS' names)
 BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
@@ -104,12 +107,12 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
             else:
                 return None
             reals.append(0.0)
-        elif type_ in _INTEGER_TYPES:
-            kinds.append(ARG_KINDS.index(type_))
+        elif type_ in _INTEGER_KINDS:
+            kinds.append(ARG_KINDS.index(_INTEGER_KINDS[type_]))
             integers.append(int(value))
             reals.append(0.0)
-        elif type_ in _REAL_TYPES:
-            kinds.append(ARG_KINDS.index(_REAL_TYPES[type_]))
+        elif type_ in _REAL_KINDS:
+            kinds.append(ARG_KINDS.index(_REAL_KINDS[type_]))
             integers.append(0)
             reals.append(float(value))
         else:

@@ -3,8 +3,8 @@
 Handout problems: pytorch_attention (sweep `handout`), torch_compile (a) (the `naive-compiled`
 provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (sweep
 `train`). Providers: ours -- `triton` (the default backward: on Hopper the Gluon passes where the inputs
-qualify, one pass at head dim 128; the Python launcher), `triton-native` (the same kernels, repeat calls
-replayed from C++: native_launch.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
+qualify, one pass at head dim 128; `flash_attention`'s default launcher), `triton-native` (the same kernels,
+repeat calls replayed from C++: native_launch.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
 backward passes everywhere), `triton-fused-bwd`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
 small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
@@ -135,7 +135,7 @@ def _attention_fn(provider: str, causal: bool):
 
         if provider == "triton-native":  # the default backward, repeat calls replayed from C++ (native_launch.py)
             return lambda q, k, v: flash_attention(q, k, v, causal, launcher="native")
-        return lambda q, k, v: flash_attention(q, k, v, causal, backward=backwards[provider], launcher="python")
+        return lambda q, k, v: flash_attention(q, k, v, causal, backward=backwards[provider])  # default launcher
     if provider == "pytorch-flash":
         from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
 

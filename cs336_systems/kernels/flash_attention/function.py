@@ -8,6 +8,10 @@ n_queries != n_keys allowed. fp32 dots follow `torch.backends.cuda.matmul.allow_
 
 L (the row log-sum-exp) is computed and kept in fp32 whatever the input dtype: rounding
 it to bf16 would put errors of several percent into the recomputed P.
+
+`forward_launch` / `backward_launches` decide, per call, which kernels run and with what
+arguments; `flash_forward` / `flash_backward` run them, and replay a launch plan
+(`launch_plan.py`) for a signature they have seen, so repeat calls skip that work.
 """
 
 from __future__ import annotations

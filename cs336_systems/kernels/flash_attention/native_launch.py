@@ -77,6 +77,17 @@ def load_module():
         _build_failed = True
         warnings.warn(f"cs336 native attention: the extension did not build ({type(error).__name__}: "
                       f"{str(error)[:300]}); using the Python launch path", stacklevel=2)
+        return None
+    if torch.cuda.is_available():  # launches must reach torch's current stream: check once
+        try:
+            same = _module.current_stream(torch.cuda.current_device()) == torch.cuda.current_stream().cuda_stream
+        except RuntimeError as error:
+            same, why = False, str(error)[:200]
+        else:
+            why = "it reads another stream than torch's current one"
+        if not same:
+            _module, _build_failed = None, True
+            warnings.warn(f"cs336 native attention: {why}; using the Python launch path", stacklevel=2)
     return _module
 
 

@@ -185,16 +185,18 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """Returns O (like q) and L (fp32, q.shape[:-1]). Repeat calls of one input signature replay a launch
-    plan (`launch_plan`) instead of `forward_launch`."""
+    """Returns O (like q) and L (fp32, q.shape[:-1]); bad inputs raise `validate_attention_inputs`' errors.
+    Repeat calls of one input signature replay a launch plan (`launch_plan`) instead of `forward_launch`."""
     if not launch_plan.plans_enabled() or q.device.type != "cuda":
+        validate_attention_inputs(q, k, v)
         launch, out, lse = forward_launch(q, k, v, is_causal)
         launch()
         return out, lse
     key = forward_plan_key(q, k, v, is_causal)
     plan = launch_plan.lookup(key)
-    if plan is not None:
+    if plan is not None:  # (its signature passed validation when the plan was made)
         return plan(q, k, v)
+    validate_attention_inputs(q, k, v)
     launch, out, lse = forward_launch(q, k, v, is_causal)
     captured = launch_plan.capture(*launch.launch_for_plan(), dict(q=q, k=k, v=v, out=out, lse=lse))
     if captured is not None:
@@ -448,7 +450,8 @@ class FlashAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, backward="triton"):
-        validate_attention_inputs(q, k, v)
+        if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+            validate_attention_inputs(q, k, v)  # (fake tensors never reach flash_forward, which validates)
         out, lse = _attention_forward(q, k, v, bool(is_causal))
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = bool(is_causal)

@@ -216,6 +216,8 @@ def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
 
 @dataclass
 class _ForwardPlan:
+    """A forward replayed: O and L allocated as `forward_launch` allocates them, then its one kernel."""
+
     launch: launch_plan.CapturedLaunch
 
     def __call__(self, q, k, v):
@@ -425,8 +427,11 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | N
 
 @dataclass
 class _BackwardPlan:
+    """A backward replayed: its buffers allocated as `_backward_launches` allocates them, its kernels in order,
+    then dQ cast from the accumulator where there is one."""
+
     launches: tuple[launch_plan.CapturedLaunch, ...]
-    accum: str | None  # `_backward_buffers`' accumulator kind
+    accum: str | None  # `_dq_buffer`'s accumulator kind
     accum_scale: float | None
 
     def __call__(self, q, k, v, out, lse, grad_out):

@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, profile, memory, memory-profile, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -169,6 +169,12 @@ run_stage() {
     model-triton)
       python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype bf16 --compile off,on \
         --attention triton --mode train-step --no-progress --results-dir "$R" 2>&1 | tail -20
+      ;;
+    precision)
+      # The handout's accumulation loops and the toy model's dtypes under CUDA autocast (fp16 and bf16).
+      for dtype in fp16 bf16; do
+        python3 -m cs336_systems.bench precision --device cuda --autocast-dtype $dtype --results-dir "$R" 2>&1 | tail -12
+      done
       ;;
     cross-entropy)
       # The fused LM head + cross-entropy against lm_head + cross_entropy (and the baseline's chunked loss) at

@@ -31,6 +31,7 @@ from cs336_systems.kernels.flash_attention.function import (
     flash_backward,
     flash_forward,
 )
+from cs336_systems.profiling.timing import kernel_time_ms
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -111,20 +112,6 @@ def backward_gaps(q, k, v, grad_out, calls: int) -> dict[str, float]:
     return gaps
 
 
-def gpu_time_per_call_us(fn, calls: int) -> float:
-    """Kernel time per call (the sum of the kernels' durations, from torch.profiler), whatever the host did."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(event.self_device_time_total for event in prof.key_averages()) / calls
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=128)
@@ -177,7 +164,7 @@ def main() -> None:
         timings = {"fwd no-grad": per_call_us(forward_no_grad, args.calls),
                    "fwd grad": per_call_us(attend, args.calls),
                    "fwd+bwd": per_call_us(forward_backward, args.calls),
-                   "GPU fwd+bwd": gpu_time_per_call_us(forward_backward, 50)}
+                   "GPU fwd+bwd": kernel_time_ms(forward_backward, calls=50) * 1e3}
         lines.append(f"{name:>18}: " + ", ".join(f"{key} {value:7.1f}" for key, value in timings.items()))
     # The backward's parts, timed the same way: the launcher called directly, a backward through a retained
     # graph, and, as a control, a Python autograd Function that does one elementwise op each way.

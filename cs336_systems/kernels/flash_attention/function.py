@@ -187,17 +187,17 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
     """Returns O (like q) and L (fp32, q.shape[:-1]); bad inputs raise `validate_attention_inputs`' errors.
     Repeat calls of one input signature replay a launch plan (`launch_plan`) instead of `forward_launch`."""
-    if not launch_plan.plans_enabled() or q.device.type != "cuda":
-        validate_attention_inputs(q, k, v)
-        launch, out, lse = forward_launch(q, k, v, is_causal)
-        launch()
-        return out, lse
-    key = forward_plan_key(q, k, v, is_causal)
-    plan = launch_plan.lookup(key)
-    if plan is not None:  # (its signature passed validation when the plan was made)
-        return plan(q, k, v)
+    planned = launch_plan.plans_enabled() and q.device.type == "cuda"
+    if planned:
+        key = forward_plan_key(q, k, v, is_causal)
+        plan = launch_plan.lookup(key)
+        if plan is not None:  # (its signature passed validation when the plan was made)
+            return plan(q, k, v)
     validate_attention_inputs(q, k, v)
     launch, out, lse = forward_launch(q, k, v, is_causal)
+    if not planned:
+        launch()
+        return out, lse
     captured = launch_plan.capture(*launch.launch_for_plan(), dict(q=q, k=k, v=v, out=out, lse=lse))
     if captured is not None:
         launch_plan.store(key, _ForwardPlan(captured))
@@ -299,9 +299,9 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool 
     one-pass kernel qualifies): True takes the warp-specialised one-pass kernel (`hopper_one_pass.py`) at its
     head dims, False the lockstep one, None (default) the warp-specialised one at its head dims.
     """
-    launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma,
-                                                        gluon, warp_specialised)
-    return (*launches, lambda: _backward_result(q, buffers, accum_scale))
+    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon,
+                                                  warp_specialised)
+    return (*launches, lambda: _backward_result(q, buffers, accum))
 
 
 def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
@@ -310,34 +310,39 @@ def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
     return dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
 
 
+def dq_accum_shape(q, accum: str) -> tuple[int, int]:
+    """(rows, columns) per (batch, head) of the one-pass fp32 dQ accumulator: "gluon" (the Gluon one-pass
+    kernels: whole 128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D)."""
+    if accum == "gluon":
+        return hopper_backward.one_pass_rows(q.shape[-2]), q.shape[-1]
+    return q.shape[-2], max(16, triton.next_power_of_2(q.shape[-1]))
+
+
 def _dq_buffer(q, accum: str | None) -> dict[str, torch.Tensor]:
-    """Where dQ goes. accum: None (two passes write dq), "gluon" (the Gluon one-pass kernels' fp32 rows: whole
-    128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D). The
-    accumulator is zeroed by the preprocess launch."""
+    """Where dQ goes: dq (accum None: two passes write it) or the one-pass accumulator (`dq_accum_shape`),
+    which the preprocess launch zeroes."""
     if accum is None:
         return dict(dq=torch.empty_like(q))
-    batch_heads = math.prod(q.shape[:-2])
-    head_dim = q.shape[-1]
-    rows, cols = ((hopper_backward.one_pass_rows(q.shape[-2]), head_dim) if accum == "gluon"
-                  else (q.shape[-2], max(16, triton.next_power_of_2(head_dim))))
-    return dict(dq_accum=torch.empty(batch_heads, rows, cols, device=q.device, dtype=torch.float32))
+    rows, cols = dq_accum_shape(q, accum)
+    return dict(dq_accum=torch.empty(math.prod(q.shape[:-2]), rows, cols, device=q.device, dtype=torch.float32))
 
 
-def _backward_result(q, buffers: dict[str, torch.Tensor], accum_scale: float | None):
-    """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one."""
-    if "dq_accum" not in buffers:
+def _backward_result(q, buffers: dict[str, torch.Tensor], accum: str | None):
+    """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one
+    (the `tl` kernel adds dS K unscaled; the Gluon ones add it scaled)."""
+    if accum is None:
         return buffers["dq"], buffers["dk"], buffers["dv"]
-    accum = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
-    if accum_scale is not None:
-        accum = accum.mul_(accum_scale)
+    rows = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
+    if accum == "tl":
+        rows = rows.mul_(1.0 / math.sqrt(q.shape[-1]))
     dq = torch.empty_like(q)  # in q's layout, as the other gradients
-    dq.copy_(accum.view(q.shape))  # (batch*heads, ..) -> q's dims
+    dq.copy_(rows.view(q.shape))  # (batch*heads, ..) -> q's dims
     return dq, buffers["dk"], buffers["dv"]
 
 
 def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon, warp_specialised):
-    """((preprocess, dK/dV pass, dQ pass or None), buffers, dQ accumulator scale or None): `backward_launches`'
-    choice, its buffers named for launch plans."""
+    """((preprocess, dK/dV pass, dQ pass or None), buffers, accumulator kind): `backward_launches`' choice, its
+    buffers named for launch plans, and where dQ goes (`_dq_buffer`)."""
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -376,12 +381,12 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, g
         one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
                     and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
         dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
-        return (preprocess, dkdv, None), buffers, None
+        return (preprocess, dkdv, None), buffers, accum
     if accum == "tl":
         dkdv = KernelLaunch(flash_bwd_fused_kernel,
                             (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                             flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
-        return (preprocess, dkdv, None), buffers, sm_scale
+        return (preprocess, dkdv, None), buffers, accum
     dq4 = _as_4d(buffers["dq"])
     dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
                         flags | dict(DQ_REDUCE=0), key_grid)
@@ -397,32 +402,30 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, g
             dkdv = gluon_dkdv
         if gluon or "dq" in hopper_backward.GLUON_PASSES:
             dq_pass = gluon_dq
-    return (preprocess, dkdv, dq_pass), buffers, None
+    return (preprocess, dkdv, dq_pass), buffers, accum
 
 
 def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
                    gluon: bool | None = None):
     """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs.
     Repeat calls of one input signature replay a launch plan (`launch_plan`)."""
-    if not launch_plan.plans_enabled() or q.device.type != "cuda":
-        launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False,
-                                                            gluon, None)
+    planned = launch_plan.plans_enabled() and q.device.type == "cuda"
+    if planned:
+        key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, fused, gluon)
+        plan = launch_plan.lookup(key)
+        if plan is not None:
+            return plan(q, k, v, out, lse, grad_out)
+    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False, gluon, None)
+    launches = [launch for launch in launches if launch is not None]
+    if not planned:
         for launch in launches:
-            if launch is not None:
-                launch()
-        return _backward_result(q, buffers, accum_scale)
-    key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, fused, gluon)
-    plan = launch_plan.lookup(key)
-    if plan is not None:
-        return plan(q, k, v, out, lse, grad_out)
-    launches, buffers, accum_scale = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False,
-                                                        gluon, None)
+            launch()
+        return _backward_result(q, buffers, accum)
     tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
-    captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches if launch is not None]
+    captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
     if all(c is not None for c in captured):
-        accum = None if "dq_accum" not in buffers else ("gluon" if accum_scale is None else "tl")
-        launch_plan.store(key, _BackwardPlan(tuple(captured), accum, accum_scale))
-    return _backward_result(q, buffers, accum_scale)
+        launch_plan.store(key, _BackwardPlan(tuple(captured), accum))
+    return _backward_result(q, buffers, accum)
 
 
 @dataclass
@@ -432,7 +435,6 @@ class _BackwardPlan:
 
     launches: tuple[launch_plan.CapturedLaunch, ...]
     accum: str | None  # `_dq_buffer`'s accumulator kind
-    accum_scale: float | None
 
     def __call__(self, q, k, v, out, lse, grad_out):
         buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, self.accum)
@@ -442,7 +444,7 @@ class _BackwardPlan:
         _install_descriptor_allocator(q.device)
         for launch in self.launches:
             launch(addresses)
-        return _backward_result(q, buffers, self.accum_scale)
+        return _backward_result(q, buffers, self.accum)
 
 
 class FlashAttentionTriton(torch.autograd.Function):

@@ -135,14 +135,6 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
     return int(compiled.function), config, kinds, integers, reals
 
 
-def _accum_shape(q: torch.Tensor, accum: str | None) -> tuple[int, int]:
-    from cs336_systems.kernels.flash_attention import hopper_backward
-
-    if accum == "gluon":
-        return hopper_backward.one_pass_rows(q.shape[-2]), q.shape[-1]
-    return q.shape[-2], max(16, 1 << math.ceil(math.log2(max(q.shape[-1], 1))))
-
-
 def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str) -> bool:
     """Run the Python launch path once on inputs like these (its plans capture the launches) and register the
     result natively. False where it cannot be planned."""
@@ -154,10 +146,9 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     options = function._BACKWARD_OPTIONS[backward]
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
-        for _ in range(2):  # the first call may make the Python plans; the second finds them
-            out, lse = function.flash_forward(q, k, v, is_causal)
-            grad_out = torch.randn_like(out)  # in O's layout: what the C++ backward hands its plan
-            function.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
+        out, lse = function.flash_forward(q, k, v, is_causal)  # each makes its Python plan, or finds it
+        grad_out = torch.randn_like(out)  # in O's layout: what the C++ backward hands its plan
+        function.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
         forward = launch_plan.lookup(function.forward_plan_key(q, k, v, is_causal))
         backward_plan = launch_plan.lookup(function.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,
                                                                       **options))
@@ -166,10 +157,11 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     specs = [kernel_spec(forward.launch)], [kernel_spec(c) for c in backward_plan.launches]
     if any(spec is None for spec in (*specs[0], *specs[1])):
         return False
-    rows, cols = _accum_shape(q, backward_plan.accum)
-    scale = backward_plan.accum_scale if backward_plan.accum_scale is not None else 1.0
+    accum = backward_plan.accum
+    rows, cols = function.dq_accum_shape(q, accum) if accum is not None else (0, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `function._backward_result` applies it
     module.register_plan(q, k, v, bool(is_causal), BACKWARD_CODES[backward], specs[0], specs[1],
-                         ACCUM_CODES[backward_plan.accum], scale, rows, cols)
+                         ACCUM_CODES[accum], scale, rows, cols)
     return True
 
 

@@ -137,8 +137,8 @@ def main() -> None:
 
     attention = {
         "triton, plans off": lambda: flash_attention(q, k, v, True, launcher="python"),
-        "triton": lambda: flash_attention(q, k, v, True, launcher="python"),
-        "triton native": lambda: flash_attention(q, k, v, True, launcher="native"),
+        "triton python": lambda: flash_attention(q, k, v, True, launcher="python"),
+        "triton native": lambda: flash_attention(q, k, v, True, launcher="native"),  # (the default)
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
     }

@@ -3,8 +3,9 @@
 Handout problems: pytorch_attention (sweep `handout`), torch_compile (a) (the `naive-compiled`
 provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (sweep
 `train`). Providers: ours -- `triton` (the default backward: on Hopper the Gluon passes where the inputs
-qualify, one pass at head dim 128; `flash_attention`'s default launcher), `triton-native` (the same kernels,
-repeat calls replayed from C++: native_launch.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
+qualify, one pass at head dim 128; `flash_attention`'s default launcher: repeat calls replayed from C++,
+native_launch.py), `triton-native` (that launcher by name), `triton-python` (the same kernels, repeat calls
+replayed from Python: launch_plan.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
 backward passes everywhere), `triton-fused-bwd`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
 small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
@@ -42,8 +43,8 @@ from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
 
-OURS = ("triton", "triton-native", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd", "triton-compile-bwd",
-        "pytorch-flash", "naive", "naive-compiled")
+OURS = ("triton", "triton-native", "triton-python", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd",
+        "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
 BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 PROVIDERS = OURS + BASELINES
 PASSES = ("fwd", "bwd", "fwd-bwd")
@@ -130,11 +131,12 @@ def cases(args) -> list[AttentionCase]:
 def _attention_fn(provider: str, causal: bool):
     """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
     backwards = TRITON_BACKWARDS | {"triton-tl-bwd": "tl"}  # (tl: a comparison only, not a model attention)
-    if provider in backwards or provider == "triton-native":
+    launchers = {"triton-native": "native", "triton-python": "python"}  # the default backward, by launcher
+    if provider in backwards or provider in launchers:
         from cs336_systems.kernels.flash_attention.function import flash_attention
 
-        if provider == "triton-native":  # the default backward, repeat calls replayed from C++ (native_launch.py)
-            return lambda q, k, v: flash_attention(q, k, v, causal, launcher="native")
+        if provider in launchers:
+            return lambda q, k, v: flash_attention(q, k, v, causal, launcher=launchers[provider])
         return lambda q, k, v: flash_attention(q, k, v, causal, backward=backwards[provider])  # default launcher
     if provider == "pytorch-flash":
         from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
@@ -186,9 +188,9 @@ def run(args) -> int:
         failures = precompile(combos, args.precompile_workers)
         if failures:
             print(f"precompile: {len(failures)} candidate configs left to the autotuner, e.g. {failures[0]}")
-        if any(c.provider == "triton-native" for c in all_cases):
-            from cs336_systems.kernels.flash_attention import native_launch
+        from cs336_systems.kernels.flash_attention import native_launch
 
+        if any(c.provider.startswith("triton") for c in all_cases) and native_launch.native_enabled():
             native_launch.load_module()  # built once here (about a minute), not inside a case's timing
     for case in tqdm(all_cases, desc=f"attention ({args.sweep})", disable=args.no_progress):
         _run_case(case, args, store)
@@ -307,7 +309,7 @@ def _print_table(store: ResultStore, args) -> None:
     table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
     print("median ms per call")
     print(format_table(table, fmt))
-    for ours in ("triton", "triton-native", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd"):
+    for ours in [p for p in OURS if p.startswith("triton") and p != "triton-compile-bwd"]:
         ratio = speedups(frame, ours)
         if not ratio.empty and any("speed-up" in c for c in ratio.columns):
             cols = keys + [c for c in ratio.columns if "speed-up" in c]

@@ -9,7 +9,8 @@ cuLaunchKernelEx on the CUfunctions Triton compiled, packing the parameters exac
 launcher does. Python only makes a plan, once per input signature, by running the Python path once (which
 captures the launches) and handing the result to C++.
 
-Off by default until measured on the H200 (`CS336_FLASH_NATIVE=1` or `use_native(True)` turns it on). The
+On by default: on the H200 it made a short call GPU-bound (notes/flash_attention.md, Version 12).
+`CS336_FLASH_NATIVE=0`, `use_native(False)` or `flash_attention(..., launcher="python")` turns it off. The
 extension is compiled on first use (torch.utils.cpp_extension, about a minute; cached afterwards). Where it
 cannot be built or a signature cannot be planned (aliased inputs, a parameter type the packer does not
 take), calls take the Python path, with one warning for a build failure.
@@ -38,7 +39,7 @@ _REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
 BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
-_enabled = os.environ.get("CS336_FLASH_NATIVE", "0") == "1"
+_enabled = os.environ.get("CS336_FLASH_NATIVE", "1") != "0"
 _module = None
 _build_failed = False
 _refused: set[tuple] = set()  # signatures that cannot be planned (Python path from then on)

@@ -373,6 +373,41 @@ def test_native_falls_back_for_aliased_inputs():
     assert torch.equal(out, flash_attention(x, x, x, True, launcher="python"))
 
 
+# Run in a fresh interpreter: in this test process earlier tests have run kernels on autograd's device thread,
+# which hides the case this pins (the first backward of a process, whose device thread has run nothing yet).
+FIRST_BACKWARD_SCRIPT = """
+import sys, torch
+from cs336_systems.kernels.flash_attention.function import flash_attention
+torch.manual_seed(0)
+shape = (4, 128, 64) if sys.argv[1] == "3d" else (2, 3, 200, 64)
+q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+out = flash_attention(q, k, v, True, launcher="native")
+assert "FlashAttentionNative" in out.grad_fn.name(), out.grad_fn.name()
+grad_out = torch.randn_like(out)  # in O's layout: the backward launches on the device thread at once
+dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+expected = torch.autograd.grad(flash_attention(q, k, v, True, launcher="python"), (q, k, v), grad_out)
+torch.cuda.synchronize()
+assert torch.equal(dk, expected[1]) and torch.equal(dv, expected[2])
+assert (dq.float() - expected[0].float()).abs().max() < 1e-2
+print("ok")
+"""
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", ["3d", "4d"])
+def test_native_first_backward_in_a_fresh_process(layout):
+    """On the H200 this crashed the process (SIGSEGV on autograd's device thread) before the C++ launcher bound
+    a CUDA context on threads that had none."""
+    import subprocess
+    import sys
+
+    _native_module()  # built (and cached) here, so the child process only loads it
+    result = subprocess.run([sys.executable, "-c", FIRST_BACKWARD_SCRIPT, layout], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (
+        f"exit {result.returncode}: {result.stderr[-2000:]}")
+
+
 def test_unknown_launcher_is_rejected():
     from cs336_systems.kernels.flash_attention.function import flash_attention
 

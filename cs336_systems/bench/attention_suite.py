@@ -3,9 +3,9 @@
 Handout problems: pytorch_attention (sweep `handout`), torch_compile (a) (the `naive-compiled`
 provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (sweep
 `train`). Providers: ours -- `triton` (the default backward: on Hopper the Gluon passes where the inputs
-qualify, one pass at head dim 128; `flash_attention`'s default launcher: repeat calls replayed from C++,
-native_launch.py), `triton-native` (that launcher by name), `triton-python` (the same kernels, repeat calls
-replayed from Python: launch_plan.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
+qualify, one pass at head dim 128; `flash_attention`'s default launcher), `triton-native` (the same kernels,
+repeat calls replayed from C++: native_launch.py), `triton-python` (repeat calls replayed from Python:
+launch_plan.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
 backward passes everywhere), `triton-fused-bwd`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
 small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
@@ -190,7 +190,8 @@ def run(args) -> int:
             print(f"precompile: {len(failures)} candidate configs left to the autotuner, e.g. {failures[0]}")
         from cs336_systems.kernels.flash_attention import native_launch
 
-        if any(c.provider.startswith("triton") for c in all_cases) and native_launch.native_enabled():
+        native = native_launch.native_enabled() or any(c.provider == "triton-native" for c in all_cases)
+        if native and any(c.provider.startswith("triton") for c in all_cases):
             native_launch.load_module()  # built once here (about a minute), not inside a case's timing
     for case in tqdm(all_cases, desc=f"attention ({args.sweep})", disable=args.no_progress):
         _run_case(case, args, store)

@@ -57,17 +57,46 @@ struct Plan {
   int64_t accum_rows, accum_cols;
 };
 
+// Driver entry points, looked up once in libcuda (nothing links against CUDA at build time).
+template <typename Function>
+Function driver_symbol(const char* name) {
+  static void* library = dlopen("libcuda.so.1", RTLD_LAZY);
+  TORCH_CHECK(library != nullptr, "cs336 native attention: cannot open libcuda.so.1");
+  auto symbol = reinterpret_cast<Function>(dlsym(library, name));
+  TORCH_CHECK(symbol != nullptr, "cs336 native attention: libcuda.so.1 has no ", name);
+  return symbol;
+}
+
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 
 LaunchEx launch_ex() {
-  static LaunchEx function = [] {
-    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
-    TORCH_CHECK(library != nullptr, "cs336 native attention: cannot open libcuda.so.1");
-    auto symbol = reinterpret_cast<LaunchEx>(dlsym(library, "cuLaunchKernelEx"));
-    TORCH_CHECK(symbol != nullptr, "cs336 native attention: libcuda.so.1 has no cuLaunchKernelEx");
-    return symbol;
-  }();
+  static LaunchEx function = driver_symbol<LaunchEx>("cuLaunchKernelEx");
   return function;
+}
+
+// The driver API launches into the calling thread's current context, and autograd's device thread may have
+// none yet. On the H200, a process's first backward through a native plan crashed (SIGSEGV on that thread)
+// unless some ATen kernel had run on the thread before; torch's device guard need not call cudaSetDevice when
+// the runtime already reports the device, so nothing need have bound a context there. As Triton's own launcher
+// does, bind the device's primary context where none is current (not yet run on a GPU: the crash's suspected
+// cause, test_native_first_backward_in_a_fresh_process checks it).
+void ensure_context(const c10::Device& device) {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  using DeviceGet = CUresult (*)(CUdevice*, int);
+  using PrimaryRetain = CUresult (*)(CUcontext*, CUdevice);
+  using SetCurrent = CUresult (*)(CUcontext);
+  static auto get_current = driver_symbol<GetCurrent>("cuCtxGetCurrent");
+  static auto device_get = driver_symbol<DeviceGet>("cuDeviceGet");
+  static auto primary_retain = driver_symbol<PrimaryRetain>("cuDevicePrimaryCtxRetain");
+  static auto set_current = driver_symbol<SetCurrent>("cuCtxSetCurrent");
+  CUcontext context = nullptr;
+  TORCH_CHECK(get_current(&context) == CUDA_SUCCESS, "cs336 native attention: cuCtxGetCurrent failed");
+  if (context != nullptr) return;
+  CUdevice handle;
+  TORCH_CHECK(device_get(&handle, device.index()) == CUDA_SUCCESS, "cs336 native attention: cuDeviceGet failed");
+  TORCH_CHECK(primary_retain(&context, handle) == CUDA_SUCCESS,
+              "cs336 native attention: cuDevicePrimaryCtxRetain failed");
+  TORCH_CHECK(set_current(context) == CUDA_SUCCESS, "cs336 native attention: cuCtxSetCurrent failed");
 }
 
 // Each parameter in 8 bytes of its own, written as its C type: the launcher passes pointers to these.
@@ -153,6 +182,7 @@ void launch(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& address
   }
   config.numAttrs = count;
   if (config.gridDimX * config.gridDimY * config.gridDimZ == 0) return;
+  ensure_context(device);
   CUresult result = launch_ex()(&config, kernel.function, params.data(), nullptr);
   TORCH_CHECK(result == CUDA_SUCCESS, "cs336 native attention: cuLaunchKernelEx failed with CUresult ", int(result));
 }

@@ -9,8 +9,10 @@ cuLaunchKernelEx on the CUfunctions Triton compiled, packing the parameters exac
 launcher does. Python only makes a plan, once per input signature, by running the Python path once (which
 captures the launches) and handing the result to C++.
 
-On by default: on the H200 it made a short call GPU-bound (notes/flash_attention.md, Version 12).
-`CS336_FLASH_NATIVE=0`, `use_native(False)` or `flash_attention(..., launcher="python")` turns it off. The
+Opt-in (`CS336_FLASH_NATIVE=1`, `use_native(True)` or `flash_attention(..., launcher="native")`). On the H200
+it made a short call GPU-bound, but a process's first backward through it crashed where autograd's device
+thread had no CUDA context yet; the fix (`ensure_context` in the C++) has not yet run on a GPU, so the default
+stays the Python launcher until it has (notes/flash_attention.md, Version 12). The
 extension is compiled on first use (torch.utils.cpp_extension, about a minute; cached afterwards). Where it
 cannot be built or a signature cannot be planned (aliased inputs, a parameter type the packer does not
 take), calls take the Python path, with one warning for a build failure.
@@ -39,7 +41,7 @@ _REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
 BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
-_enabled = os.environ.get("CS336_FLASH_NATIVE", "1") != "0"
+_enabled = os.environ.get("CS336_FLASH_NATIVE", "0") == "1"
 _module = None
 _build_failed = False
 _refused: set[tuple] = set()  # signatures that cannot be planned (Python path from then on)

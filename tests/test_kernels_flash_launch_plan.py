@@ -408,6 +408,24 @@ def test_native_first_backward_in_a_fresh_process(layout):
         f"exit {result.returncode}: {result.stderr[-2000:]}")
 
 
+def test_native_plans_stop_at_their_cap(monkeypatch):
+    """Past MAX_NATIVE_PLANS no plan is made (nor the Python path run to make one): such calls take the Python
+    path, whose plans are dropped oldest first."""
+    from cs336_systems.kernels.flash_attention import function, native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.skip("the native extension does not build here")
+    monkeypatch.setattr(native_launch, "MAX_NATIVE_PLANS", module.plan_count())
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("make_plan ran the Python path past the cap")
+
+    monkeypatch.setattr(function, "flash_forward", must_not_run)
+    x = torch.zeros(1, 1, 16, 16)
+    assert native_launch.make_plan(x, x, x, True, "triton") is False
+
+
 def test_unknown_launcher_is_rejected():
     from cs336_systems.kernels.flash_attention.function import flash_attention
 

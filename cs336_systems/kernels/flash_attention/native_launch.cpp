@@ -76,10 +76,10 @@ LaunchEx launch_ex() {
 
 // The driver API launches into the calling thread's current context, and autograd's device thread may have
 // none yet. On the H200, a process's first backward through a native plan crashed (SIGSEGV on that thread)
-// unless some ATen kernel had run on the thread before; torch's device guard need not call cudaSetDevice when
-// the runtime already reports the device, so nothing need have bound a context there. As Triton's own launcher
-// does, bind the device's primary context where none is current (not yet run on a GPU: the crash's suspected
-// cause, test_native_first_backward_in_a_fresh_process checks it).
+// unless some ATen kernel had run on the thread before. c10::cuda::SetDevice (c10/cuda/CUDAFunctions.cpp) skips
+// cudaSetDevice when cudaGetDevice already returns the device, as it does (0) on a fresh thread, and
+// cudaGetDevice binds no context. As Triton's own launcher does, bind the device's primary context where none
+// is current (not yet run on a GPU; test_native_first_backward_in_a_fresh_process checks it).
 void ensure_context(const c10::Device& device) {
   using GetCurrent = CUresult (*)(CUcontext*);
   using DeviceGet = CUresult (*)(CUdevice*, int);

@@ -42,6 +42,9 @@ BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
 _enabled = os.environ.get("CS336_FLASH_NATIVE", "0") == "1"
+# Native plans are never dropped (autograd nodes hold raw pointers to them), so their number is capped; past it,
+# new signatures take the Python path, whose plans are dropped oldest first (launch_plan.MAX_PLANS).
+MAX_NATIVE_PLANS = 1024
 _module = None
 _build_failed = False
 _refused: set[tuple] = set()  # signatures that cannot be planned (Python path from then on)
@@ -144,7 +147,7 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     from cs336_systems.kernels.flash_attention import function
 
     module = load_module()
-    if module is None:
+    if module is None or module.plan_count() >= MAX_NATIVE_PLANS:
         return False
     options = function._BACKWARD_OPTIONS[backward]
     with torch.no_grad():

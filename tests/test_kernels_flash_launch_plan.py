@@ -426,6 +426,26 @@ def test_native_plans_stop_at_their_cap(monkeypatch):
     assert native_launch.make_plan(x, x, x, True, "triton") is False
 
 
+def test_native_takes_no_plan_with_launch_plans_off(monkeypatch):
+    """Native plans are made from the Python ones: with plans off a call takes the normal path, and its signature
+    is not marked unplannable for when plans are turned back on."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a native plan was looked up or made with launch plans off")
+
+    monkeypatch.setattr(native_launch, "load_module", must_not_run)
+    monkeypatch.setattr(native_launch, "make_plan", must_not_run)
+    refused, was_enabled = set(native_launch._refused), launch_plan.plans_enabled()
+    launch_plan.use_plans(False)
+    try:
+        x = torch.zeros(1, 1, 16, 16)
+        assert native_launch.attention(x, x, x, True, "triton") is None
+    finally:
+        launch_plan.use_plans(was_enabled)
+    assert native_launch._refused == refused
+
+
 def test_unknown_launcher_is_rejected():
     from cs336_systems.kernels.flash_attention.function import flash_attention
 

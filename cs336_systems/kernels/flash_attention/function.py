@@ -162,9 +162,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    out = torch.empty_like(q)  # q's layout: for the model's head view of (batch, seq, heads, d), merging
-    o4 = _as_4d(out)            # the heads back afterwards is a view, not a copy
-    lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+    out, lse = _forward_buffers(q)
+    o4 = _as_4d(out)
     if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
             and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
         _install_descriptor_allocator(q.device)
@@ -204,6 +203,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse
 
 
+def _forward_buffers(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and L as the forward writes them."""
+    # O in q's layout: for the model's head view of (batch, seq, heads, d), merging the heads back afterwards is
+    # a view, not a copy.
+    return torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+
+
 def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
     return "forward", bool(is_causal), torch.backends.cuda.matmul.allow_tf32, launch_plan.tensor_signature(q, k, v)
 
@@ -221,8 +227,7 @@ class _ForwardPlan:
     launch: launch_plan.CapturedLaunch
 
     def __call__(self, q, k, v):
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+        out, lse = _forward_buffers(q)
         _install_descriptor_allocator(q.device)
         self.launch(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr()))
         return out, lse

@@ -172,7 +172,11 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str):
-    """O through a native plan (made on the first call of a signature), or None: take the Python path."""
+    """O through a native plan (made on the first call of a signature), or None: take the Python path. With
+    launch plans off (`launch_plan.use_plans(False)`) no native plan is used or made either: they are made from
+    the Python plans, and "off" means every call takes the normal launch path."""
+    if not launch_plan.plans_enabled():
+        return None
     module = load_module()
     if module is None or backward not in BACKWARD_CODES:
         return None

@@ -5,8 +5,11 @@ compiled kernel. On the GPU: a replayed call gives exactly what the normal launc
 backward, layout and dtype, and inputs that share an address make no plan.
 """
 
+import contextlib
+
 import pytest
 import torch
+import torch.utils._python_dispatch
 import triton
 import triton.language as tl
 
@@ -82,7 +85,7 @@ def test_plan_cache_is_bounded_and_drops_the_oldest(monkeypatch):
 # (d 32, fp32), ragged lengths.
 PLAN_CASES = [(1, 2, 1000, 1000, 128, torch.bfloat16), (2, 3, 513, 257, 64, torch.bfloat16),
               (1, None, 300, 300, 128, torch.float16), (2, 2, 77, 130, 32, torch.bfloat16),
-              (1, 2, 200, 200, 64, torch.float32)]
+              (1, 2, 200, 200, 64, torch.float32), (2, None, 1, 17, 16, torch.float32)]
 
 
 def _attend(q, k, v, causal, backward, grad_out, launcher="python"):
@@ -351,6 +354,39 @@ def test_native_replay_on_head_views_and_a_broadcast_gradient():
     attend("native")  # makes the plan
     native, python = attend("native"), attend("python")
     assert torch.equal(native[0], python[0]) and torch.equal(native[1], python[1])  # d 64: two passes
+
+
+class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):
+    """Any dispatch mode: under one, attention takes the Python path (its op must be visible)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode_in_backward", [False, True])
+def test_native_forward_under_checkpoint_recomputes_on_either_path(mode_in_backward):
+    """A checkpointed region whose forward ran natively may be recomputed natively or, under a dispatch mode (a
+    profiler, an op counter), through the Python Function. torch.utils.checkpoint matches saved tensors by
+    position, so both save alike; the gradients are those of the uncheckpointed call."""
+    from torch.utils.checkpoint import checkpoint
+
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _native_module()
+    q, k, v = _fresh_inputs(2, 4, 20, 20, 16, torch.float32, seed=0)
+    grad_out = torch.randn_like(q)
+
+    def region(q, k, v):
+        return flash_attention(q * 1.5, k, v, True, backward="two-pass", launcher="native") * 2
+
+    flash_attention(q.detach(), k.detach(), v.detach(), True, backward="two-pass", launcher="native")  # the plan
+    expected = torch.autograd.grad(region(q, k, v), (q, k, v), grad_out)
+    out = checkpoint(region, q, k, v, use_reentrant=False)
+    with _CountingMode() if mode_in_backward else contextlib.nullcontext():
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    for mine, theirs in zip(grads, expected):
+        assert torch.equal(mine, theirs)
 
 
 @requires_cuda

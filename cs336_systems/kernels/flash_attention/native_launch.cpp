@@ -230,7 +230,9 @@ struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNat
     addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
     addresses[kOut] = address(out), addresses[kLse] = address(lse);
     for (const Kernel& kernel : plan.forward) launch(kernel, addresses, q.device());
-    ctx->save_for_backward({q, k, v, out, lse});
+    // Saved as the Python Function saves them (L, Q, K, V, O): a checkpointed region's recompute may take the other
+    // path (under a dispatch mode), and torch.utils.checkpoint matches saved tensors by position.
+    ctx->save_for_backward({lse, q, k, v, out});
     ctx->saved_data["plan"] = plan_address;
     return out;
   }
@@ -238,7 +240,7 @@ struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNat
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const at::Tensor &lse = saved[0], &q = saved[1], &k = saved[2], &v = saved[3], &out = saved[4];
     const Plan& plan = *reinterpret_cast<const Plan*>(ctx->saved_data["plan"].toInt());
     c10::DeviceGuard guard(q.device());
     at::Tensor grad_out = grads[0];

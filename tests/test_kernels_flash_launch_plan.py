@@ -390,6 +390,19 @@ def test_native_forward_under_checkpoint_recomputes_on_either_path(mode_in_backw
 
 
 @requires_cuda
+def test_making_a_native_plan_leaves_the_random_stream_alone():
+    """The first call of a signature runs the Python path once to make its plan; it must not draw random numbers
+    (it once drew a random gradient, so a test's next torch.randn differed with the launcher)."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    _native_module()
+    q, k, v = (t.detach() for t in _fresh_inputs(2, None, 1, 19, 16, torch.float32, seed=0))
+    state = torch.cuda.get_rng_state(), torch.get_rng_state()
+    assert native_launch.make_plan(q, k, v, True, "two-pass")
+    assert torch.equal(torch.cuda.get_rng_state(), state[0]) and torch.equal(torch.get_rng_state(), state[1])
+
+
+@requires_cuda
 def test_native_launches_go_to_the_current_stream():
     module = _native_module()
     side = torch.cuda.Stream()

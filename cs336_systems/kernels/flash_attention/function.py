@@ -493,7 +493,7 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     launcher: "python" (this module's autograd Function; repeat calls replay `launch_plan` plans), "native"
     (repeat calls replayed by a C++ autograd node, `native_launch.py`, where a plan can be made: CUDA, not
     under torch.compile or a dispatch mode, not backward="compile"; else the Python path) or None (default:
-    "native" where `native_launch.use_native(True)` or CS336_FLASH_NATIVE=1 turned it on, else "python")."""
+    "native" unless `native_launch.use_native(False)` or CS336_FLASH_NATIVE=0 turned it off)."""
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if launcher is None:

@@ -9,10 +9,10 @@ cuLaunchKernelEx on the CUfunctions Triton compiled, packing the parameters exac
 launcher does. Python only makes a plan, once per input signature, by running the Python path once (which
 captures the launches) and handing the result to C++.
 
-Opt-in (`CS336_FLASH_NATIVE=1`, `use_native(True)` or `flash_attention(..., launcher="native")`). On the H200
-it made a short call GPU-bound, but a process's first backward through it crashed where autograd's device
-thread had no CUDA context yet; the fix (`ensure_context` in the C++) has not yet run on a GPU, so the default
-stays the Python launcher until it has (notes/flash_attention.md, Version 12). The
+The default launcher (`CS336_FLASH_NATIVE=0` or `use_native(False)` turns it off; `flash_attention(...,
+launcher="python")` per call). On the H200 it made a short call GPU-bound (notes/flash_attention.md, Versions 12
+and 13). A process's first backward through it once crashed where autograd's device thread had no CUDA
+context yet; `ensure_context` in the C++ binds the device's primary context there. The
 extension is compiled on first use (torch.utils.cpp_extension, about a minute; cached afterwards). Where it
 cannot be built or a signature cannot be planned (aliased inputs, a parameter type the packer does not
 take), calls take the Python path, with one warning for a build failure.
@@ -41,7 +41,7 @@ _REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
 BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
-_enabled = os.environ.get("CS336_FLASH_NATIVE", "0") == "1"
+_enabled = os.environ.get("CS336_FLASH_NATIVE", "1") != "0"
 # Native plans are never dropped (autograd nodes hold raw pointers to them), so their number is capped; past it,
 # new signatures take the Python path, whose plans are dropped oldest first (launch_plan.MAX_PLANS).
 MAX_NATIVE_PLANS = 1024
@@ -153,7 +153,9 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
         out, lse = function.flash_forward(q, k, v, is_causal)  # each makes its Python plan, or finds it
-        grad_out = torch.randn_like(out)  # in O's layout: what the C++ backward hands its plan
+        # In O's layout, as the C++ backward hands its plan one. Zeros, not random: making a plan must leave the
+        # caller's random stream alone (a test's next torch.randn would otherwise differ with the launcher).
+        grad_out = torch.zeros_like(out)
         function.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
         forward = launch_plan.lookup(function.forward_plan_key(q, k, v, is_causal))
         backward_plan = launch_plan.lookup(function.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,

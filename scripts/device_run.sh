@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -60,12 +60,13 @@ run_stage() {
       ;;
     attention-flash)
       # FLASH_D / FLASH_DTYPE / FLASH_SEQ / FLASH_PROVIDERS narrow it (comma lists); --kernel-time adds each
-      # measurement's GPU kernel time (metric kernel_time). One head dim in both dtypes takes about
+      # measurement's GPU kernel time (metric kernel_time; FLASH_KERNEL_TIME=0 leaves it out, 23 calls more per
+      # measurement: about 5 s for the naive fwd+bwd at seq 65536). One head dim in both dtypes takes about
       # 9 min (d 32: bf16 3.2 min; fp32's first case alone 162 s, mostly compiles, before --precompile-workers),
       # so all four do not fit in one 10-minute call.
       python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-16,32,64,128}" \
         --dtype "${FLASH_DTYPE:-bf16,fp32}" ${FLASH_SEQ:+--seq "$FLASH_SEQ"} ${FLASH_PROVIDERS:+--provider "$FLASH_PROVIDERS"} \
-        --rep-ms 40 --kernel-time --no-progress \
+        --rep-ms 40 $([ "${FLASH_KERNEL_TIME:-1}" = 1 ] && echo --kernel-time) --no-progress \
         --results-dir "$R" \
         --plot "$R/attention_flash_sweep.png" 2>&1 | tail -20
       ;;
@@ -79,6 +80,24 @@ run_stage() {
       python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype bf16 --seq 8192,16384 \
         --provider triton,triton-native,sdpa-flash,sdpa-cudnn --rep-ms 40 --kernel-time --no-progress \
         --results-dir "$R" 2>&1 | tail -30
+      ;;
+    attention-targets)
+      # Issue 4's target cases in one run at this commit: the single-head sweep's bf16 d 64/128 seq >= 8192 with
+      # both launchers (kernel time beside wall), TARGET_RUNS times (default 2: the spread between runs of a
+      # host-sensitive short call), then the multi-head training shapes with 1 s of timing per measurement.
+      for run in $(seq "${TARGET_RUNS:-2}"); do
+        echo "--- single-head target cases, run $run"
+        python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype bf16 --seq 8192,16384,32768,65536 \
+          --provider triton,triton-python,sdpa-flash,sdpa-cudnn --rep-ms 200 --kernel-time --no-progress \
+          --results-dir "$R" 2>&1 | tail -28
+      done
+      python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
+        --rep-ms 1000 --no-progress --results-dir "$R" 2>&1 | tail -16
+      ;;
+    tests-launch-plan)
+      # The launch-plan tests alone (Python and native replay, the fresh-process first backward, the random stream).
+      CS336_AUTOTUNE=0 timeout 300 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_launch_plan.py 2>&1 | tee "$OUT/tests_launch_plan.log" | tail -15
       ;;
     attention-host)
       # Host time per small attention call (the flash sweep's short sequences are host-bound) and its profile.

@@ -113,3 +113,24 @@ def test_attention_naive_compiled_times_every_pass_and_resets_per_case(tmp_path,
     times = [r for r in rows if r["metric"] == "time"]
     assert len(times) == 6 and all(r["status"] == "ok" for r in times), [r["message"] for r in times]
     assert len(resets) == 2
+
+
+def test_attention_compiled_backward_also_resets_dynamo_per_case(tmp_path, monkeypatch):
+    """triton-compile-bwd compiles per shape too: without a reset, the 9th shape of a sweep would run eager under
+    its name. (Its Triton forward needs CUDA, so the case's function is swapped for the naive one here.)"""
+    import torch._dynamo
+
+    from cs336_systems.bench import attention_suite
+
+    resets = []
+    real_reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (resets.append(1), real_reset()))
+    monkeypatch.setattr(attention_suite, "_skip_reason", lambda case, device: None)
+    naive = attention_suite._attention_fn("naive", True)
+    monkeypatch.setattr(attention_suite, "_attention_fn", lambda provider, causal: naive)
+    assert main(["attention", "--device", "cpu", "--seq", "16,24,32", "--d", "8", "--provider",
+                 "triton-compile-bwd,naive", "--pass", "fwd-bwd", "--results-dir", str(tmp_path),
+                 "--no-progress"]) == 0
+    rows = [r for r in load_rows(tmp_path / "attention.jsonl") if r["metric"] == "time"]
+    assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
+    assert len(resets) == 3  # once per triton-compile-bwd case, never for naive

@@ -52,6 +52,9 @@ FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd-bwd": 3.5}
 # The tiled PyTorch reference is a Python loop over 16x16 tiles: on the H200 its fwd+bwd took 1.9 s at seq 1024
 # (bf16, d 16; results/attention.jsonl) and its seq-2048 case did not finish in 4 min of a sweep.
 PYTORCH_FLASH_MAX_SEQ = 1024
+# Providers that run torch.compile'd code, compiled per shape (dynamic=False): dynamo is reset before each of
+# their cases, or past its recompile limit (8 shapes) a sweep would silently time eager code under their name.
+COMPILED_PROVIDERS = ("naive-compiled", "triton-compile-bwd")
 COMPILED_BWD_MAX_SCORES = 16384 * 16384  # it materialises P in fp32
 
 
@@ -216,9 +219,9 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
     free_memory(device)
     lead = (case.batch,) if case.heads == 0 else (case.batch, case.heads)
     flops_fwd = attention_flops(case.batch, max(case.heads, 1), case.seq, case.seq, case.d, causal=case.causal)
-    compiled = case.provider == "naive-compiled"
-    if compiled:
+    if case.provider in COMPILED_PROVIDERS:
         torch._dynamo.reset()
+    compiled = case.provider == "naive-compiled"
     fn = _attention_fn(case.provider, case.causal)
     for p in args.passes:
         try:

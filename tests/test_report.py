@@ -122,6 +122,28 @@ def test_attention_kernel_time_table_sits_beside_wall_time(tmp_path):
     assert "1.857" in section  # SDPA-flash's: 0.39 / 0.21
 
 
+def test_attention_kernel_time_table_holds_the_target_cases_only(tmp_path):
+    """The flash sweep records kernel time at every head dim and for naive too; the table beside wall time is the
+    targets' (bf16, d 64 / 128, our kernels and the SDPA baselines)."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = []
+    for d, provider, wall, kernel in ((64, "triton", 0.54, 0.21), (64, "sdpa-cudnn", 0.28, 0.27),
+                                      (64, "sdpa-flash", 0.47, 0.39), (64, "naive", 3.5, 3.47), (16, "triton", 0.61, 0.33)):
+        shape = dict(batch=1, heads=1, seq=8192, d=d, dtype="bf16", causal=True)
+        rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": "fwd-bwd"}))
+        rows.append(_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": "fwd-bwd"}))
+        rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": "fwd-bwd"}))
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    table = text[text.index("GPU kernel time (torch.profiler"):].split("\n\n")[1]
+    body = [line.split("|")[1:6] for line in table.splitlines()[2:]]  # batch, heads, seq, d, dtype
+    assert [[cell.strip() for cell in cells] for cells in body] == [["1", "1", "8192", "64", "bf16"]]
+    assert "naive" not in table and "3.47" not in table and "0.33" not in table
+    assert "1.286" in table  # cuDNN's kernel time / ours: 0.27 / 0.21
+
+
 def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
     """The seq >= 8192 table has no dtype column: fp32 rows at the same shape must not be averaged into it."""
     results = tmp_path / "results"

@@ -235,8 +235,10 @@ def _attention_kernel_time(doc: Document, att: pd.DataFrame) -> None:
     """Wall time beside GPU kernel time (`--kernel-time` rows), fwd+bwd at seq >= 8192: where the two differ the
     call is host-bound, and the kernel-time ratio is what the kernels alone achieve."""
     keys = ["provider", "batch", "heads", "seq", "d", "dtype", "pass"]
+    # the target cases only (the flash sweep's other head dims record kernel time too, naive's among them)
     both = att[att["metric"].isin(["time", "kernel_time"]) & (att["status"] == "ok") & (att["pass"] == "fwd-bwd")
-               & (att["seq"] >= 8192) & (att["heads"] > 0)]
+               & (att["seq"] >= 8192) & (att["heads"] > 0) & att["d"].isin([64, 128]) & (att["dtype"] == "bf16")
+               & (att["provider"] != "naive")]
     kernel = latest(both[both["metric"] == "kernel_time"], keys)
     if kernel.empty:
         return
@@ -305,10 +307,11 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
             "`triton` is the default backward: on Hopper at d 128 the warp-specialised one-pass kernel "
             "(`hopper_one_pass.py`: each program owns 128 keys and adds its share of dQ into fp32 rows by TMA "
             "reduce-add, so dQ is not bit-reproducible), elsewhere two passes. `triton-two-pass-bwd` is always "
-            "the two deterministic passes. Repeat calls replay launch plans (`launch_plan.py`: the compiled "
-            "kernels called directly, without Triton's per-call argument binding). A short single-head call is "
-            "still host-bound: the host's few hundred microseconds of Python per forward + backward exceed the "
-            "GPU's work (notes/flash_attention.md; the kernel-time table below, where measured)."))
+            "the two deterministic passes. Repeat calls replay launch plans: the compiled kernels called "
+            "directly, without Triton's per-call argument binding, by default from a C++ autograd node "
+            "(`native_launch.py`; `triton-python` replays them from Python, `launch_plan.py`). Without them a "
+            "short single-head call was host-bound, its Python costing more than the GPU's work; the table "
+            "below puts each call's wall time beside its GPU kernel time (notes/flash_attention.md)."))
         _attention_kernel_time(doc, att)
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
                     & (att["d"] == 128)], ["batch", "heads", "seq", "d", "pass"])

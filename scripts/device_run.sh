@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, fp32-error, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -29,6 +29,7 @@ run_stage() {
     tests)
       # CS336_AUTOTUNE=0: one config per kernel, so the cold compile of the test matrix stays short.
       CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_weighted_sum.py \
+        tests/test_kernels_compensated_sum.py \
         tests/test_kernels_flash_attention.py tests/test_adapters_attention.py tests/test_attention_registry.py \
         tests/test_memory_checkpointing.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
       ;;
@@ -93,6 +94,17 @@ run_stage() {
       done
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
         --rep-ms 1000 --no-progress --results-dir "$R" 2>&1 | tail -16
+      ;;
+    fp32-error)
+      # The fp32 gradients' compensated accumulators (backward.add_compensated): the fp32 cases of the full GPU
+      # matrix (once 1.66x over budget at 2048), the compensated-sum test, then the error split by ingredient.
+      CS336_AUTOTUNE=0 timeout 300 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_attention.py tests/test_kernels_compensated_sum.py \
+        -k "(full_matrix and dtype2) or compensated" 2>&1 | tee "$OUT/tests_fp32_error.log" | tail -12
+      for backward in two-pass fused; do
+        python3 scripts/flash_fp32_error.py --seq 2048 --d 64 --seeds 0,1,2 --backward $backward \
+          --out "$R/flash_fp32_error_$backward.csv" 2>&1 | tail -20
+      done
       ;;
     tests-launch-plan)
       # The launch-plan tests alone (Python and native replay, the fresh-process first backward, the random stream).

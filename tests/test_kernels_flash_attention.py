@@ -230,10 +230,10 @@ GPU_SHAPES = SMALL_SHAPES + [(1, 4, 1000, 1000, 128), (2, 2, 513, 257, 64), (1, 
                              (1, 1, 2048, 2048, 64)]
 
 
+# Our kernels' fp32 dK at (1, 1, 2048, 2048, 64), causal, was 1.66x this budget on the H200 (2026-12-02): the
+# gradient dots chained every query's product through one FMA sequence. The fp32 accumulators are now
+# compensated (backward.add_compensated), and those cases are expected within budget.
 KNOWN_FP32_OVER_BUDGET = {
-    ((1, 1, 2048, 2048, 64), True, "triton"): "dk max error 4.1e-6 vs budget 2.5e-6 (1.66x)",
-    ((1, 1, 2048, 2048, 64), True, "fused"): "the same dK maths: dk max error 3.98e-6 vs budget 2.47e-6 (1.61x)",
-    ((1, 1, 2048, 2048, 64), True, "two-pass"): "fp32 takes the passes of \"triton\": the same dk error as there",
     ((2, 3, 70, 20, 32), False, "compile"): "inductor's backward: dq max error 1.69e-6 vs budget 1.59e-6 (1.06x)",
 }
 

@@ -129,7 +129,8 @@ def test_attention_kernel_time_table_holds_the_target_cases_only(tmp_path):
     results.mkdir()
     rows = []
     for d, provider, wall, kernel in ((64, "triton", 0.54, 0.21), (64, "sdpa-cudnn", 0.28, 0.27),
-                                      (64, "sdpa-flash", 0.47, 0.39), (64, "naive", 3.5, 3.47), (16, "triton", 0.61, 0.33)):
+                                      (64, "sdpa-flash", 0.47, 0.39), (64, "naive", 3.5, 3.47),
+                                      (16, "triton", 0.61, 0.33)):
         shape = dict(batch=1, heads=1, seq=8192, d=d, dtype="bf16", causal=True)
         rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": "fwd-bwd"}))
         rows.append(_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": "fwd-bwd"}))

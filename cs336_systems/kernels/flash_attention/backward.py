@@ -65,6 +65,18 @@ def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride
 
 
 @triton.jit
+def add_compensated(total, error, part):
+    """total + part by Kahan's compensated summation; `error` carries what the rounding dropped (the sum is
+    total - error). For the fp32 ("ieee") gradient accumulators: `tl.dot(a, b, acc)` chains every product of a
+    whole loop through one FMA sequence (and Triton rewrites `acc + tl.dot(a, b)` into that form), so over
+    2048 causal queries dK's rounding grew to 3x PyTorch's (notes/flash_attention.md, Version 14). Adding each
+    tile's own dot here leaves a chain of one tile's length, and no rounding growth across tiles."""
+    corrected = part - error
+    new_total = total + corrected
+    return new_total, (new_total - total) - corrected
+
+
+@triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
                       qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
@@ -76,6 +88,8 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
         do_block = tl.advance(do_block, (start_m, 0))
+    dk_error = tl.zeros_like(dk)  # (fp32 only: add_compensated)
+    dv_error = tl.zeros_like(dv)
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
         qT = load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
@@ -91,10 +105,14 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
         pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
+        if PRECISION == "ieee":
+            dv, dv_error = add_compensated(dv, dv_error, tl.dot(pT, do, input_precision=PRECISION))
+            dk, dk_error = add_compensated(dk, dk_error, tl.dot(dsT, tl.trans(qT), input_precision=PRECISION))
+        else:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
         if DQ_REDUCE != 0:
             dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_D)
             if DQ_REDUCE == 2:  # rows past n_queries fall outside the descriptor and are dropped
@@ -105,6 +123,8 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
         if not USE_TMA:
             qT_block = tl.advance(qT_block, (0, BLOCK_M))
             do_block = tl.advance(do_block, (BLOCK_M, 0))
+    if PRECISION == "ieee":
+        dk, dv = dk - dk_error, dv - dv_error
     return dk, dv
 
 
@@ -117,6 +137,7 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         vT_block = tl.advance(vT_block, (0, start_n))
+    dq_error = tl.zeros_like(dq)  # (fp32 only: add_compensated)
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
@@ -130,10 +151,15 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
+        if PRECISION == "ieee":
+            dq, dq_error = add_compensated(dq, dq_error, tl.dot(ds, tl.trans(kT), input_precision=PRECISION))
+        else:
+            dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
         if not USE_TMA:
             kT_block = tl.advance(kT_block, (0, BLOCK_N))
             vT_block = tl.advance(vT_block, (0, BLOCK_N))
+    if PRECISION == "ieee":
+        dq = dq - dq_error
     return dq
 
 

@@ -38,9 +38,8 @@ def max_error(ours: torch.Tensor, exact: torch.Tensor) -> float:
     return (ours.double() - exact).abs().max().item()
 
 
-def backward_from_lse(q, k, v, out, lse, grad_out, log2_domain: bool):
-    """dQ, dK, dV of causal attention in the inputs' dtype, recomputing P from a given L (FlashAttention-2's
-    backward on whole matrices)."""
+def probabilities_and_ds(q, k, v, out, lse, grad_out, log2_domain: bool):
+    """P recomputed from a given L, and dS = P * (dP - D) without the softmax scale (whole matrices, causal)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = q @ k.transpose(-1, -2)
     if log2_domain:  # as our kernels: scores in log2 units, L converted from natural log
@@ -48,24 +47,27 @@ def backward_from_lse(q, k, v, out, lse, grad_out, log2_domain: bool):
     else:
         p = torch.exp(scores * scale - lse[..., None])
     p = p.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0)
-    dv = p.transpose(-1, -2) @ grad_out
-    dp = grad_out @ v.transpose(-1, -2)
     delta = (out * grad_out).sum(-1, keepdim=True)
-    ds = p * (dp - delta) * scale
-    return ds @ k, ds.transpose(-1, -2) @ q, dv
+    return p, p * (grad_out @ v.transpose(-1, -2) - delta)
+
+
+def backward_from_lse(q, k, v, out, lse, grad_out, log2_domain: bool):
+    """dQ, dK, dV of causal attention in the inputs' dtype, recomputing P from a given L (FlashAttention-2's
+    backward on whole matrices)."""
+    p, ds = probabilities_and_ds(q, k, v, out, lse, grad_out, log2_domain)
+    ds = ds / math.sqrt(q.shape[-1])
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ grad_out
 
 
 def dk_one_fma_chain(q, k, v, out, lse, grad_out):
-    """dK of causal attention (fp32) summed as one running sum over queries, each step a fused multiply-add."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    q2, k2, v2, o2, do2, lse2 = (t[0, 0] for t in (q, k, v, out, grad_out, lse))
-    p = torch.exp2((q2 @ k2.T) * (scale * LOG2E) - (lse2 * LOG2E)[:, None])
-    p = p.masked_fill(~causal_mask(q2.shape[0], k2.shape[0], q.device), 0.0)
-    ds = p * (do2 @ v2.T - (o2 * do2).sum(-1, keepdim=True))  # (queries, keys)
-    dk = torch.zeros_like(k2)
+    """dK of causal attention (fp32, one head) summed as one running sum over queries, each step a fused
+    multiply-add: what our kernels' chained dots amounted to on the GPU."""
+    _, ds = probabilities_and_ds(q, k, v, out, lse, grad_out, True)
+    ds, q2 = ds[0, 0], q[0, 0]  # (queries, keys), (queries, d)
+    dk = torch.zeros_like(k[0, 0])
     for i in range(q2.shape[0]):
         dk = torch.addcmul(dk, ds[i][:, None], q2[i][None, :])
-    return (dk * scale)[None, None]
+    return (dk / math.sqrt(q.shape[-1]))[None, None]
 
 
 def measure(seq: int, d: int, seed: int, device: str, backward: str) -> list[dict]:

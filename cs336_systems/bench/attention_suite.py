@@ -221,7 +221,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
     flops_fwd = attention_flops(case.batch, max(case.heads, 1), case.seq, case.seq, case.d, causal=case.causal)
     if case.provider in COMPILED_PROVIDERS:
         torch._dynamo.reset()
-    compiled = case.provider == "naive-compiled"
+    aot_compiled = case.provider == "naive-compiled"  # (AOTAutograd: donated buffers, below)
     fn = _attention_fn(case.provider, case.causal)
     for p in args.passes:
         try:
@@ -231,7 +231,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             grad_out = torch.randn_like(q)
             # Donated buffers forbid the retained-graph backward the `bwd` pass times; AOTAutograd compiles
             # the backward lazily, at the first backward call, so the switch covers the whole measurement.
-            with torch._functorch.config.patch(donated_buffer=False) if compiled else contextlib.nullcontext():
+            with torch._functorch.config.patch(donated_buffer=False) if aot_compiled else contextlib.nullcontext():
                 timing, memory, kernel_ms = _measure(p, fn, q, k, v, grad_out, args)
             row = config | {"pass": p}
             store.add(provider=case.provider, config=row, metric="time", unit="ms", stats=timing.stats())

@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even where the tests set the interpreter
 
@@ -34,7 +37,7 @@ from cs336_systems.kernels.flash_attention import (  # noqa: E402
     hopper_one_pass,
 )
 
-DTYPES = {"bf16": "*bf16", "fp16": "*fp16"}
+DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}  # fp32: the tl kernels only (IEEE dots)
 SCALARS = ("qk_scale", "sm_scale")
 NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
 
@@ -108,6 +111,22 @@ def schedule(ptx: str) -> str:
     return re.sub(r"e+", lambda m: f"e{len(m.group(0))}", text)
 
 
+def registers_and_spills(ptx: str, arch: int) -> str:
+    """ptxas -v's registers per thread and spill stores (bytes) for the kernel, from Triton's bundled ptxas."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as scratch:
+        source_file = Path(scratch) / "kernel.ptx"
+        source_file.write_text(ptx)
+        arch_name = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        report = subprocess.run([str(ptxas), "-v", f"--gpu-name={arch_name}", str(source_file),
+                                 "-o", str(Path(scratch) / "kernel.cubin")], capture_output=True, text=True).stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    if not registers:
+        return "ptxas: no report"
+    return f"{registers.group(1)} regs, {spills.group(1) if spills else '?'} B spilled"
+
+
 def parse_config(text: str) -> tuple[int, int, int, int]:
     try:
         config = tuple(int(x) for x in text.lower().split("x"))
@@ -141,11 +160,14 @@ def main() -> None:
         fn, pointers, extra, shipped = table[name]
         for bm, bn, warps, stages in args.config or [shipped]:
             gluon = "-gluon" in name
+            if gluon and args.dtype == "fp32":
+                parser.error(f"--kernel {name}: the Gluon kernels take bf16/fp16 only")
             if gluon:  # pipelining is written out in the kernel: STAGES is its ring of buffers
                 constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
                                   **extra)
             else:
-                constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION="tf32",
+                precision = "ieee" if args.dtype == "fp32" else "tf32"  # as function.py: fp32 is IEEE by default
+                constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION=precision,
                                   BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
             try:
                 compiled = triton.compile(source(fn, pointers, constexprs, gluon), target=target,
@@ -156,7 +178,8 @@ def main() -> None:
             ptx = compiled.asm["ptx"]
             print(f"{name:10} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
                   f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
-                  f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}; {schedule(ptx)[:160]}")
+                  f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}, {registers_and_spills(ptx, args.arch)}; "
+                  f"{schedule(ptx)[:160]}")
 
 
 if __name__ == "__main__":

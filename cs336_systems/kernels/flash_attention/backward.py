@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
+from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_precision, interpreting
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
@@ -166,11 +166,20 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
 # Tile sizes from `cs336-bench attention-tune` on the H200 (results/attention-tune.jsonl, bf16 causal
 # 1x32x32768x128 and 4x32x16384x64): each list holds the winners at d 64 and d 128 first, then smaller
 # tiles that fit wide heads (fp32 at d 128, d 256).
+# IEEE fp32 (fp32 without allow_tf32) runs FMA dots, which spill on the tensor-core tiles (ptxas, sm_90, d 64:
+# dK/dV 64 x 64 on 4 warps 12.6 KB, dQ 128 x 64 on 8 warps 5 KB): these spread the tiles over more warps. Each
+# family's first fits d 64 without spilling; at d 128 the wide-head rule skips to one that does (dK/dV 32 x 32 on
+# 16 warps, dQ 64 x 32 on 16). `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --dtype fp32 --d 128`.
+DKDV_IEEE_FP32_TILES = ((64, 64, 16, 2), (32, 32, 16, 2), (32, 64, 8, 2), (16, 32, 8, 2), (32, 32, 4, 2))
+DQ_IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2))
+
+
 def _dkdv_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2))]
+            for bm, bn, w, s in ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2))
+            + DKDV_IEEE_FP32_TILES]
 
 
 def _fused_configs():
@@ -179,7 +188,7 @@ def _fused_configs():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in ((64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                                 (16, 64, 4, 2))]
+                                 (16, 64, 4, 2)) + DKDV_IEEE_FP32_TILES]
 
 
 def _dq_configs():
@@ -187,15 +196,17 @@ def _dq_configs():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
             for bm, bn, w, s in ((128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                                 (64, 16, 4, 2))]
+                                 (64, 16, 4, 2)) + DQ_IEEE_FP32_TILES]
 
 
-def _prune_backward(divisible_by: str, divides: str, wide_max_tile: int = 32 * 64):
-    """Keep configs whose tile sizes nest (needed by the causal loop split) and that fit on chip: wide
-    heads (d 256, or fp32 at d 128) take BLOCK_M x BLOCK_N <= wide_max_tile (the fused pass holds one
-    more tile of dQ in shared memory: (32, 64) overflowed the H200's 227 KiB by 2 KiB at d 256)."""
+def _prune_backward(divisible_by: str, divides: str, ieee_tiles: tuple, wide_max_tile: int = 32 * 64):
+    """Keep the dot precision's family (`ieee_tiles` for IEEE fp32, the rest for tensor cores), and in it the
+    configs whose tile sizes nest (needed by the causal loop split) and that fit on chip: wide heads (d 256,
+    or fp32 at d 128) take BLOCK_M x BLOCK_N <= wide_max_tile (the fused pass holds one more tile of dQ in
+    shared memory: (32, 64) overflowed the H200's 227 KiB by 2 KiB at d 256)."""
 
     def prune(configs, named_args, **kwargs):
+        configs = configs_for_precision(configs, ieee_tiles, kwargs.get("PRECISION"))
         head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
         kept = [c for c in configs if c.kwargs[divisible_by] % c.kwargs[divides] == 0
@@ -206,7 +217,7 @@ def _prune_backward(divisible_by: str, divides: str, wide_max_tile: int = 32 * 6
     return prune
 
 
-_BACKWARD_KEY = ["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL"]
+_BACKWARD_KEY = ["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
 
 
 @triton.jit
@@ -284,15 +295,16 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
 flash_dkdv_kernel = triton.autotune(
     configs=_dkdv_configs(), key=_BACKWARD_KEY,
-    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M")})(_dkdv_kernel)
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_IEEE_FP32_TILES)})(_dkdv_kernel)
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
     configs=_fused_configs(), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
-    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", wide_max_tile=16 * 64)})(_dkdv_kernel)
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_IEEE_FP32_TILES,
+                                                              wide_max_tile=16 * 64)})(_dkdv_kernel)
 
 
 @triton.autotune(configs=_dq_configs(), key=_BACKWARD_KEY,
-                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N")})
+                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_IEEE_FP32_TILES)})
 @triton.jit
 def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     stride_qb, stride_qh, stride_qn, stride_qd,

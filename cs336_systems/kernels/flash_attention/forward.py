@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, interpreting
+from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_precision, interpreting
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 LOG2E = 1.4426950408889634
@@ -57,19 +57,29 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
     return acc, m_i, l_i
 
 
+# IEEE fp32 (fp32 inputs without allow_tf32): FMA dots, which spill on the tensor-core tiles at d >= 64 (ptxas,
+# sm_90: 128 x 128 on 8 warps 7 KB at d 64; 64 x 64 on 4 warps 53 KB at d 128; the forward ran 20x slower than
+# the naive fp32 matmuls). The first two do not spill at d 128, the others not at d 64
+# (`python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32 --d 128 --config 64x64x16x2`).
+IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 8, 2))
+
+
 def _forward_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
     # The space is small on purpose: a cold cache compiles it in seconds per (head dim, dtype, causal).
     # The first two won `cs336-bench attention-tune` on the H200 at d 128 and d 64 (bf16, causal,
-    # results/attention-tune.jsonl); the smaller tiles fit fp32 and wide heads.
+    # results/attention-tune.jsonl); the smaller tiles fit wide heads.
+    tensor_core_tiles = ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                         (64, 32, 4, 2))
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                                 (128, 32, 4, 4), (64, 32, 4, 2))]
+            for bm, bn, w, s in tensor_core_tiles + IEEE_FP32_TILES]
 
 
 def _prune_forward_configs(configs, named_args, **kwargs):
-    """Keep configs that fit: fp32 tiles and wide heads need smaller blocks (shared memory)."""
+    """Keep the dot precision's family (IEEE fp32 or tensor cores) and the configs that fit: fp32 tiles and wide
+    heads need smaller blocks (shared memory)."""
+    configs = configs_for_precision(configs, IEEE_FP32_TILES, kwargs.get("PRECISION"))
     head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
     n_queries = named_args["n_queries"]
@@ -81,7 +91,8 @@ def _prune_forward_configs(configs, named_args, **kwargs):
     return kept if autotune_enabled() else kept[:1]  # configs are listed best-first
 
 
-@triton.autotune(configs=_forward_configs(), key=["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL"],
+@triton.autotune(configs=_forward_configs(),
+                 key=["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_forward_configs})
 @triton.jit
 def flash_forward_kernel(Q, K, V, O, L,

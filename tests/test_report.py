@@ -162,3 +162,24 @@ def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
     table = text[text.index("*forward + backward*"):].split("\n\n")[1]
     assert " 0.25 " in table and " 2 " in table  # ours (bf16) and cuDNN / ours = 2.0
     assert "2.125" not in table  # the mean of bf16's 0.25 and fp32's 4.0
+
+
+def test_attention_forward_peak_and_memory_table_are_bf16s(tmp_path):
+    """A later fp32 run of a d 128 shape must not replace bf16's row in the forward peak or the memory table."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = []
+    for dtype, tflops, gib, stamp in (("bf16", 640.0, 1.5, "2026-12-02"), ("fp32", 3.0, 2.5, "2026-12-03")):
+        shape = dict(batch=1, heads=1, seq=8192, d=128, dtype=dtype, causal=True)
+        for p in ("fwd", "fwd-bwd"):
+            rows.append(_row("attention", "triton", "time", 1.0, **shape, **{"pass": p}))
+            rows.append(_row("attention", "triton", "tflops", tflops, **shape, **{"pass": p}))
+            rows.append(_row("attention", "triton", "peak_allocated", gib, **shape, **{"pass": p}))
+        for row in rows[-6:]:
+            row["timestamp"] = f"{stamp}T00:00:00+00:00"
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    assert "Forward peak at d 128, bf16: 640 TFLOP/s" in text
+    table = text[text.index("*peak allocated GiB"):].split("\n\n")[1]  # caption, then the table
+    assert table.splitlines()[-1].split("|")[1:3] == ["  8192 ", "      1.5 "], table

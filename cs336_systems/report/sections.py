@@ -313,20 +313,21 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
             "short single-head call was host-bound, its Python costing more than the GPU's work; the table "
             "below puts each call's wall time beside its GPU kernel time (notes/flash_attention.md)."))
         _attention_kernel_time(doc, att)
+    # bf16 (the target's dtype); dtype is in the key so a later fp32 run of a shape cannot stand in for it
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
-                    & (att["d"] == 128)], ["batch", "heads", "seq", "d", "pass"])
+                    & (att["d"] == 128) & (att["dtype"] == "bf16")], ["batch", "heads", "seq", "d", "dtype", "pass"])
     if not tf.empty:
         best = tf.sort_values("median").iloc[-1]
-        doc.add(Paragraph(f"Forward peak at d 128: {best['median']:.0f} TFLOP/s (causal FLOPs) at batch "
+        doc.add(Paragraph(f"Forward peak at d 128, bf16: {best['median']:.0f} TFLOP/s (causal FLOPs) at batch "
                           f"{best['batch']}, {best['heads']} heads, seq {best['seq']}."))
     path = r.copy_figure("attention_tflops.png")
     if path:
         doc.add(Figure(path, "TFLOP/s against sequence length per implementation"))
-    mem = latest(att[att["metric"] == "peak_allocated"], ["provider", "batch", "heads", "seq", "d", "pass"])
-    mem = mem[(mem["pass"] == "fwd-bwd") & (mem["heads"] == 1) & (mem["d"] == 128)]
+    mem = latest(att[att["metric"] == "peak_allocated"], ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
+    mem = mem[(mem["pass"] == "fwd-bwd") & (mem["heads"] == 1) & (mem["d"] == 128) & (mem["dtype"] == "bf16")]
     if not mem.empty:
         doc.add(Table(mem.pivot_table(index="seq", columns="provider", values="median").reset_index().round(3),
-                      "peak allocated GiB, fwd+bwd, batch 1, d 128: ours grows linearly with seq, naive "
+                      "peak allocated GiB, fwd+bwd, batch 1, d 128, bf16: ours grows linearly with seq, naive "
                       "quadratically"))
     _flash_sweep(doc, r, att)
 

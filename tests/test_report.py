@@ -183,3 +183,20 @@ def test_attention_forward_peak_and_memory_table_are_bf16s(tmp_path):
     assert "Forward peak at d 128, bf16: 640 TFLOP/s" in text
     table = text[text.index("*peak allocated GiB"):].split("\n\n")[1]  # caption, then the table
     assert table.splitlines()[-1].split("|")[1:3] == ["  8192 ", "      1.5 "], table
+
+
+def test_attention_fp32_paragraph_compares_with_sdpa_efficient(tmp_path):
+    """fp32 has one SDPA baseline (efficient): the sweep section gives its time / ours per head dim and pass."""
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = []
+    for seq, ours in ((2048, 2.0), (8192, 4.0)):
+        shape = dict(batch=1, heads=1, seq=seq, d=64, dtype="fp32", causal=True)
+        for provider, wall in (("triton", ours), ("sdpa-efficient", 1.0)):
+            for p in ("fwd", "fwd-bwd"):
+                rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
+                rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    text = (tmp_path / "docs" / "report.md").read_text()
+    assert "d 64: fwd 0.25-0.50x, fwd-bwd 0.25-0.50x (ours from commit abc123)" in text

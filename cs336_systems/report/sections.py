@@ -364,9 +364,31 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
                 f"SDPA-flash's {span['sdpa-flash'][0]:.2f}-{span['sdpa-flash'][1]:.2f} ms: there the time is the "
                 "host's, four Triton launches behind an autograd Function (`scripts/attention_host_overhead.py` "
                 "splits it; notes/flash_attention.md)."))
+    _flash_sweep_fp32(doc, sweep_rows)
     if absent:
         r.missing.append(("flash_benchmarking", f"the flash sweep at {', '.join(absent)} (`FLASH_D=... bash "
                           "scripts/device_run.sh attention-flash`, one head dim per call, GPU)"))
+
+
+def _flash_sweep_fp32(doc: Document, sweep_rows: pd.DataFrame) -> None:
+    """fp32 against the one SDPA backend that takes it (efficient), per head dim: our forward and fwd+bwd."""
+    times = sweep_rows[(sweep_rows["dtype"] == "fp32") & (sweep_rows["metric"] == "time")
+                       & (sweep_rows["status"] == "ok") & (sweep_rows["seq"] >= 2048)]
+    wide = times.pivot_table(index=["d", "seq", "pass"], columns="provider", values="median").reset_index()
+    if not {"triton", "sdpa-efficient"} <= set(wide.columns):
+        return
+    wide["ratio"] = wide["sdpa-efficient"] / wide["triton"]
+    parts = []
+    for d, group in wide.dropna(subset=["ratio"]).groupby("d"):
+        spans = {p: g["ratio"] for p, g in group.groupby("pass")}
+        text = ", ".join(f"{p} {r.min():.2f}-{r.max():.2f}x" for p, r in spans.items() if p in ("fwd", "fwd-bwd"))
+        parts.append(f"d {d}: {text}")
+    commits = ", ".join(sorted(set(times[times["provider"] == "triton"]["git_commit"].astype(str).str[:10])))
+    doc.add(Paragraph(
+        "fp32 (IEEE dots unless `allow_tf32`; of SDPA's backends only the efficient one takes fp32): SDPA-efficient's "
+        f"time / ours at seq >= 2048, {'; '.join(parts)} (ours from commit {commits}). Below 1 ours is slower "
+        "(notes/flash_attention.md, Version 15: register spills of IEEE FMA dots on tensor-core tiles, and the "
+        "fix)."))
 
 
 def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None:

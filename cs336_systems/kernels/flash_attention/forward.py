@@ -58,8 +58,9 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
 
 
 # IEEE fp32 (fp32 inputs without allow_tf32): FMA dots, which spill on the tensor-core tiles at d >= 64 (ptxas,
-# sm_90: 128 x 128 on 8 warps 7 KB at d 64; 64 x 64 on 4 warps 53 KB at d 128; the forward ran 20x slower than
-# the naive fp32 matmuls). The first two do not spill at d 128, the others not at d 64
+# sm_90: 128 x 128 on 8 warps 7 KB at d 64; 64 x 64 on 4 warps 53 KB at d 128; at seq 2048 the forward ran 18x
+# (d 64) and 41x (d 128) slower than naive fp32). 64 x 64 and 64 x 32 on 16 warps and 32 x 16 on 8 do not spill
+# at d 128, 64 x 32 on 8 and 32 x 32 on 4 not at d 64
 # (`python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32 --d 128 --config 64x64x16x2`).
 IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 8, 2))
 

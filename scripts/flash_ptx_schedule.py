@@ -45,13 +45,13 @@ NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
 def kernels(dtype: str) -> dict:
     """name -> (JITFunction, pointer types, extra constexprs, shipped first config)."""
     t = DTYPES[dtype]
+    dkdv_pointers = {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")} | {"L": "*fp32", "Delta": "*fp32",
+                                                                        "DQ_ACCUM": "*fp32"}
     return {
         "forward": (forward.flash_forward_kernel.fn, {n: t for n in ("Q", "K", "V", "O")} | {"L": "*fp32"}, {},
                     (128, 128, 8, 3)),
-        "dkdv": (backward._dkdv_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
-                 | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"}, {"DQ_REDUCE": 0}, (64, 64, 4, 2)),
-        "fused": (backward._dkdv_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
-                  | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"}, {"DQ_REDUCE": 1}, (64, 64, 4, 2)),
+        "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0}, (64, 64, 4, 2)),
+        "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1}, (64, 64, 4, 2)),  # the one-pass dK/dV
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.

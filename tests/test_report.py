@@ -12,21 +12,31 @@ def _row(suite, provider, metric, median, **config):
                 timestamp="2026-12-02T00:00:00+00:00", run_id="r1")
 
 
-def test_report_from_a_small_results_folder(tmp_path):
+def _report_from(tmp_path, suite, rows) -> str:
+    """Write `rows` as results/<suite>.jsonl, build the report into docs/, and return report.md's text."""
     results = tmp_path / "results"
-    results.mkdir()
+    results.mkdir(exist_ok=True)
+    (results / f"{suite}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    return (tmp_path / "docs" / "report.md").read_text()
+
+
+def _attention_rows(provider, wall, passes=("fwd", "fwd-bwd"), **shape):
+    """One attention measurement per pass: its time row and its TFLOP/s row (30 GFLOP / wall)."""
+    return [_row("attention", provider, metric, value, **shape, **{"pass": p})
+            for p in passes for metric, value in (("time", wall), ("tflops", 30.0 / wall))]
+
+
+def test_report_from_a_small_results_folder(tmp_path):
     cases = (("ours", 80.0, "reference"), ("baseline", 40.0, "sdpa"))
     rows = [_row("model", p, "time", t, preset="small", context=512, batch=4, dtype="fp32", compile=False,
                  attention=a, mode="train-step") for p, t, a in cases]
-    (results / "model.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "docs"
-    assert main(["--results-dir", str(results), "--out", str(out)]) == 0
-    text = (out / "report.md").read_text()
+    text = _report_from(tmp_path, "model", rows)
     assert "## benchmarking_script" in text and "| small" in text and "2" in text  # ours / baseline = 2.0
     assert "Measured on GPU-X" in text
     assert "## Missing measurements" in text and "attention rows" in text  # no attention file: listed missing
     assert "## communication_accounting" in text and "state_total = 16 P" in text  # calculators need no rows
-    html = (out / "report.html").read_text()
+    html = (tmp_path / "docs" / "report.html").read_text()
     assert "<table" in html and "benchmarking_script" in html
 
 
@@ -51,24 +61,18 @@ def test_missing_results_dir_is_a_clear_error(tmp_path, capsys):
 
 
 def test_leaderboard_paragraph_is_computed_from_the_run(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     lb = dict(preset="leaderboard-8b", context=32768, checkpoint="none")
     rows = [_row("leaderboard", "ours", "step_time", 4900.0, **lb), _row("leaderboard", "baseline", "step_time", 5900.0,
                                                                           **lb),
             _row("leaderboard", "ours", "speedup_vs_baseline", 5900 / 4900, **lb),
             _row("leaderboard", "suite", "matmul_ceiling", 777.0, **lb)]
-    (results / "leaderboard.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+    text = _report_from(tmp_path, "leaderboard", rows)
     assert "1.204x the baseline's speed" in text and "4.9 s per step: the target of 5.0 s is met" in text
     assert "ceiling measured in this run: 777 TFLOP/s" in text
 
 
 def test_flash_sweep_figure_covers_every_head_dim_and_dtype(tmp_path):
     """The flash sweep is run one head dim per device call: the report draws the latest rows of all of them."""
-    results = tmp_path / "results"
-    results.mkdir()
     rows = []
     for d, dtype in ((16, "bf16"), (32, "bf16"), (16, "fp32")):
         for seq in (128, 256):
@@ -76,9 +80,7 @@ def test_flash_sweep_figure_covers_every_head_dim_and_dtype(tmp_path):
                 cfg = dict(batch=1, heads=1, seq=seq, d=d, dtype=dtype, causal=True)
                 rows += [_row("attention", provider, "time", ms, **cfg, **{"pass": "fwd-bwd"}),
                          _row("attention", provider, "tflops", 1e-3 * seq / ms, **cfg, **{"pass": "fwd-bwd"})]
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+    text = _report_from(tmp_path, "attention", rows)
     figure = tmp_path / "docs" / "figures" / "attention_flash_sweep.png"
     assert "figures/attention_flash_sweep.png" in text and figure.stat().st_size > 0
     assert "our fwd+bwd takes 0.90-0.90 ms against SDPA-flash's 0.20-0.20 ms" in text
@@ -86,8 +88,6 @@ def test_flash_sweep_figure_covers_every_head_dim_and_dtype(tmp_path):
 
 
 def test_cross_entropy_section_from_gpu_rows(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     shape = dict(tokens=32768, vocab=151936, d_model=4096, dtype="bf16", chunk_tokens=4096)
     rows = [_row("cross-entropy", "fused", "time", 200.0, **shape),
             _row("cross-entropy", "plain", "time", 300.0, **shape),
@@ -95,27 +95,19 @@ def test_cross_entropy_section_from_gpu_rows(tmp_path):
             _row("cross-entropy", "fused", "peak_above_inputs", 3.5, **shape)]
     oom = _row("cross-entropy", "plain", "time", None, **(shape | dict(tokens=65536)))
     oom.update(status="oom")
-    (results / "cross-entropy.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, oom]))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+    text = _report_from(tmp_path, "cross-entropy", [*rows, oom])
     section = text[text.index("## Fused LM head + cross-entropy"):]
     assert "| 1.5 " in section or "1.5 |" in section  # plain / fused
     assert "1.25" in section and "oom" in section and "3.5" in section
 
 
 def test_attention_kernel_time_table_sits_beside_wall_time(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     shape = dict(batch=1, heads=1, seq=8192, d=64, dtype="bf16", causal=True)
     rows = []
     for provider, wall, kernel in (("triton", 0.54, 0.21), ("sdpa-flash", 0.47, 0.39), ("sdpa-cudnn", 0.28, 0.27)):
-        for p in ("fwd", "fwd-bwd"):
-            rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
-            rows.append(_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": p}))
-            rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+        rows += _attention_rows(provider, wall, **shape)
+        rows += [_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": p}) for p in ("fwd", "fwd-bwd")]
+    text = _report_from(tmp_path, "attention", rows)
     section = text[text.index("GPU kernel time (torch.profiler"):]
     assert "triton kernel" in section and "triton wall" in section
     assert "1.286" in section  # cuDNN's kernel time / ours: 0.27 / 0.21
@@ -125,19 +117,14 @@ def test_attention_kernel_time_table_sits_beside_wall_time(tmp_path):
 def test_attention_kernel_time_table_holds_the_target_cases_only(tmp_path):
     """The flash sweep records kernel time at every head dim and for naive too; the table beside wall time is the
     targets' (bf16, d 64 / 128, our kernels and the SDPA baselines)."""
-    results = tmp_path / "results"
-    results.mkdir()
     rows = []
     for d, provider, wall, kernel in ((64, "triton", 0.54, 0.21), (64, "sdpa-cudnn", 0.28, 0.27),
                                       (64, "sdpa-flash", 0.47, 0.39), (64, "naive", 3.5, 3.47),
                                       (16, "triton", 0.61, 0.33)):
         shape = dict(batch=1, heads=1, seq=8192, d=d, dtype="bf16", causal=True)
-        rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": "fwd-bwd"}))
+        rows += _attention_rows(provider, wall, passes=("fwd-bwd",), **shape)
         rows.append(_row("attention", provider, "kernel_time", kernel, **shape, **{"pass": "fwd-bwd"}))
-        rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": "fwd-bwd"}))
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+    text = _report_from(tmp_path, "attention", rows)
     table = text[text.index("GPU kernel time (torch.profiler"):].split("\n\n")[1]
     body = [line.split("|")[1:6] for line in table.splitlines()[2:]]  # batch, heads, seq, d, dtype
     assert [[cell.strip() for cell in cells] for cells in body] == [["1", "1", "8192", "64", "bf16"]]
@@ -147,18 +134,12 @@ def test_attention_kernel_time_table_holds_the_target_cases_only(tmp_path):
 
 def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
     """The seq >= 8192 table has no dtype column: fp32 rows at the same shape must not be averaged into it."""
-    results = tmp_path / "results"
-    results.mkdir()
     rows = []
     for dtype, ours in (("bf16", 0.25), ("fp32", 4.0)):
         shape = dict(batch=1, heads=1, seq=8192, d=64, dtype=dtype, causal=True)
         for provider, wall in (("triton", ours), ("sdpa-cudnn", 0.5)):
-            for p in ("fwd", "fwd-bwd"):
-                rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
-                rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+            rows += _attention_rows(provider, wall, **shape)
+    text = _report_from(tmp_path, "attention", rows)
     table = text[text.index("*forward + backward*"):].split("\n\n")[1]
     assert " 0.25 " in table and " 2 " in table  # ours (bf16) and cuDNN / ours = 2.0
     assert "2.125" not in table  # the mean of bf16's 0.25 and fp32's 4.0
@@ -166,8 +147,6 @@ def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
 
 def test_attention_forward_peak_and_memory_table_are_bf16s(tmp_path):
     """A later fp32 run of a d 128 shape must not replace bf16's row in the forward peak or the memory table."""
-    results = tmp_path / "results"
-    results.mkdir()
     rows = []
     for dtype, tflops, gib, stamp in (("bf16", 640.0, 1.5, "2026-12-02"), ("fp32", 3.0, 2.5, "2026-12-03")):
         shape = dict(batch=1, heads=1, seq=8192, d=128, dtype=dtype, causal=True)
@@ -177,9 +156,7 @@ def test_attention_forward_peak_and_memory_table_are_bf16s(tmp_path):
             rows.append(_row("attention", "triton", "peak_allocated", gib, **shape, **{"pass": p}))
         for row in rows[-6:]:
             row["timestamp"] = f"{stamp}T00:00:00+00:00"
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+    text = _report_from(tmp_path, "attention", rows)
     assert "Forward peak at d 128, bf16: 640 TFLOP/s" in text
     table = text[text.index("*peak allocated GiB"):].split("\n\n")[1]  # caption, then the table
     assert table.splitlines()[-1].split("|")[1:3] == ["  8192 ", "      1.5 "], table
@@ -187,16 +164,10 @@ def test_attention_forward_peak_and_memory_table_are_bf16s(tmp_path):
 
 def test_attention_fp32_paragraph_compares_with_sdpa_efficient(tmp_path):
     """fp32 has one SDPA baseline (efficient): the sweep section gives its time / ours per head dim and pass."""
-    results = tmp_path / "results"
-    results.mkdir()
     rows = []
     for seq, ours in ((2048, 2.0), (8192, 4.0)):
         shape = dict(batch=1, heads=1, seq=seq, d=64, dtype="fp32", causal=True)
         for provider, wall in (("triton", ours), ("sdpa-efficient", 1.0)):
-            for p in ("fwd", "fwd-bwd"):
-                rows.append(_row("attention", provider, "time", wall, **shape, **{"pass": p}))
-                rows.append(_row("attention", provider, "tflops", 30.0 / wall, **shape, **{"pass": p}))
-    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
-    text = (tmp_path / "docs" / "report.md").read_text()
+            rows += _attention_rows(provider, wall, **shape)
+    text = _report_from(tmp_path, "attention", rows)
     assert "d 64: fwd 0.25-0.50x, fwd-bwd 0.25-0.50x (ours from commit abc123)" in text

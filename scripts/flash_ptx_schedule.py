@@ -148,10 +148,14 @@ def main() -> None:
                         help="comma-separated BLOCK_MxBLOCK_NxWARPSxSTAGES (default: each kernel's first)")
     parser.add_argument("--d", type=int, default=128, choices=(16, 32, 64, 128, 256), help="head dim")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--precision", choices=("ieee", "tf32x3", "tf32"), default=None,
+                        help="fp32 dot precision (default ieee, as function.py's default for fp32)")
     parser.add_argument("--causal", choices=("on", "off"), default="on")
     parser.add_argument("--tma", action="store_true", help="the tensor-descriptor variants")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90, Hopper)")
     args = parser.parse_args()
+    if args.precision is not None and args.dtype != "fp32":
+        parser.error(f"--precision: got {args.precision} with --dtype {args.dtype}; it applies to fp32 only")
     table = kernels(args.dtype)
     names = [k.strip() for k in args.kernel.split(",")]
     unknown = [n for n in names if n not in table]
@@ -168,7 +172,7 @@ def main() -> None:
                 constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
                                   **extra)
             else:
-                precision = "ieee" if args.dtype == "fp32" else "tf32"  # as function.py: fp32 is IEEE by default
+                precision = (args.precision or "ieee") if args.dtype == "fp32" else "tf32"
                 constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION=precision,
                                   BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
             try:

@@ -439,39 +439,70 @@ def test_ptx_schedule_script_compiles_for_hopper_with_pipelined_loads():
     assert re.search(r"W\d+\|\d", line) and re.search(r"e\d+", line), line  # products, waits, exponentials
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_autotune_candidates_follow_the_dot_precision(head_dim):
-    """IEEE fp32 launches tune over the FMA tiles only, tensor-core launches (bf16, or fp32 with tf32) never
-    see them; every pass's list stays nested for the causal split and within the wide-head limit."""
-    triton = pytest.importorskip("triton")
+    """Each launch tunes over its own family, best-first: IEEE fp32 over the FMA tiles (the backward at d <= 32
+    over the tensor-core tiles too), fp32 on tensor cores (tf32x3, tf32) over the fp32 tensor-core tiles, 16-bit
+    over the tensor-core ones; every pass's list stays nested for the causal split and within the wide-head
+    limit."""
+    pytest.importorskip("triton")
     from cs336_systems.kernels.flash_attention import backward, forward
-
-    def configs(tiles):
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
 
     def tile(config):
         return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
 
-    tensor_core = [(128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
-    passes = {"forward": (forward._prune_forward_configs, forward.IEEE_FP32_TILES),
-              "dkdv": (backward._prune_backward("BLOCK_N", "BLOCK_M", backward.DKDV_IEEE_FP32_TILES),
-                       backward.DKDV_IEEE_FP32_TILES),
-              "dq": (backward._prune_backward("BLOCK_M", "BLOCK_N", backward.DQ_IEEE_FP32_TILES),
-                     backward.DQ_IEEE_FP32_TILES)}
-    for name, (prune, ieee_tiles) in passes.items():
-        assert not set(ieee_tiles) & set(tensor_core), name
-        candidates = configs(tensor_core + list(ieee_tiles))
-        for dtype, precision in ((torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "tf32")):
+    passes = {"forward": (forward._prune_forward_configs, forward.TILE_FAMILIES, forward._forward_configs()),
+              "dkdv": (backward.flash_dkdv_kernel.early_config_prune, backward.DKDV_TILE_FAMILIES,
+                       backward._dkdv_configs()),
+              "fused": (backward.flash_bwd_fused_kernel.early_config_prune, backward.FUSED_TILE_FAMILIES,
+                        backward._fused_configs()),
+              "dq": (backward.flash_dq_kernel.early_config_prune, backward.DQ_TILE_FAMILIES, backward._dq_configs())}
+    launches = {(torch.float32, "ieee"): "ieee", (torch.float32, "tf32x3"): "fp32-tensor-core",
+                (torch.float32, "tf32"): "fp32-tensor-core", (torch.bfloat16, "tf32"): "tensor-core"}
+    for name, (prune, families, configs) in passes.items():
+        assert set(families) == {"tensor-core", "ieee", "fp32-tensor-core"}, name
+        if len(configs) == 1:  # the interpreter's single config
+            continue
+        # Reversed: the family's own order (best-first) decides, not the autotuner's list.
+        candidates = list(reversed(configs))
+        big, small = (0, 1) if name in ("forward", "dq") else (1, 0)
+        for (dtype, precision), family in launches.items():
             named = {"Q": torch.empty(1, dtype=dtype), "n_queries": 4096}
             kept = [tile(c) for c in prune(candidates, named, BLOCK_D=head_dim, PRECISION=precision)]
             assert kept, (name, dtype, precision)
-            assert all((t in ieee_tiles) == (precision == "ieee") for t in kept), (name, dtype, precision, kept)
-        named = {"Q": torch.empty(1, dtype=torch.float32), "n_queries": 4096}
-        kept = prune(candidates, named, BLOCK_D=head_dim, PRECISION="ieee")
-        big, small = ("BLOCK_M", "BLOCK_N") if name != "dkdv" else ("BLOCK_N", "BLOCK_M")
-        assert all(c.kwargs[big] % c.kwargs[small] == 0 for c in kept), (name, kept)
-        if head_dim == 128:  # fp32 at d 128 counts as a wide head: smaller tiles (shared memory)
-            assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 for c in kept), (name, kept)
+            listed = list(families[family])
+            if family == "ieee" and name != "forward" and head_dim <= 32:
+                listed = list(families["tensor-core"]) + listed
+            assert kept == [t for t in listed if t in kept], (name, precision, kept)  # its tiles, in its order
+            assert all(t[big] % t[small] == 0 for t in kept), (name, kept)
+            wide = head_dim == 128 and dtype == torch.float32  # smaller tiles (shared memory)
+            assert not wide or all(t[0] * t[1] <= 64 * 64 for t in kept), (name, kept)
+            assert len(kept) >= (2 if family != "ieee" or not wide else 1), (name, precision, kept)
+
+
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "fused", "dq"])
+def test_fp32_tensor_core_first_configs_fit_shared_memory_at_d128(kernel):
+    """fp32 tiles on tensor cores take twice a 16-bit tile's shared memory: the first config the wide-head rule
+    leaves at d 128 (what CS336_AUTOTUNE=0 launches) compiles for sm_90 within the H200's 227 KiB, in tf32x3."""
+    triton = pytest.importorskip("triton")
+    from cs336_systems.kernels.flash_attention import backward, forward
+
+    prune = {"forward": forward._prune_forward_configs, "dkdv": backward.flash_dkdv_kernel.early_config_prune,
+             "fused": backward.flash_bwd_fused_kernel.early_config_prune,
+             "dq": backward.flash_dq_kernel.early_config_prune}[kernel]
+    tiles = {"forward": forward.FP32_TENSOR_CORE_TILES, "dkdv": backward.DKDV_FP32_TENSOR_CORE_TILES,
+             "fused": backward.DKDV_FP32_TENSOR_CORE_TILES, "dq": backward.DQ_FP32_TENSOR_CORE_TILES}[kernel]
+    candidates = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
+    named = {"Q": torch.empty(1, dtype=torch.float32), "n_queries": 4096}
+    first = prune(candidates, named, BLOCK_D=128, PRECISION="tf32x3")[0]
+    config = f"{first.kwargs['BLOCK_M']}x{first.kwargs['BLOCK_N']}x{first.num_warps}x{first.num_stages}"
+    done = _run_ptx_script("--kernel", kernel, "--dtype", "fp32", "--precision", "tf32x3", "--d", "128",
+                           "--config", config)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    shared = re.search(r"shared (\d+) KiB", line)
+    assert shared and int(shared.group(1)) < 227, line
+    assert re.search(r"\bW\d+", line) or kernel != "forward", line  # the forward's dots run as wgmma
 
 
 # ---- The Gluon backward passes (Hopper only) ----

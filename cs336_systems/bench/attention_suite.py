@@ -5,7 +5,9 @@ provider), flash_benchmarking (sweep `flash`), plus multi-head training shapes (
 `train`). Providers: ours -- `triton` (the default backward: on Hopper the Gluon passes where the inputs
 qualify, one pass at head dim 128; `flash_attention`'s default launcher), `triton-native` (the same kernels,
 repeat calls replayed from C++: native_launch.py), `triton-python` (repeat calls replayed from Python:
-launch_plan.py), `triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
+launch_plan.py), `triton-tf32x3` (fp32 only: the default kernels with tf32x3 dots, near-fp32 accuracy
+on tensor cores, the arithmetic of `sdpa-efficient` in fp32; `triton` runs IEEE fp32),
+`triton-two-pass-bwd` (always two passes), `triton-tl-bwd` (the `tl`
 backward passes everywhere), `triton-fused-bwd`, `triton-compile-bwd`, `pytorch-flash` (tiled Python,
 small N only), `naive` (the model's materialised attention), `naive-compiled`; baselines --
 `sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn` (torch's SDPA backends).
@@ -43,8 +45,8 @@ from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
 
-OURS = ("triton", "triton-native", "triton-python", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd",
-        "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
+OURS = ("triton", "triton-native", "triton-python", "triton-tf32x3", "triton-two-pass-bwd", "triton-tl-bwd",
+        "triton-fused-bwd", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
 BASELINES = ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn")
 PROVIDERS = OURS + BASELINES
 PASSES = ("fwd", "bwd", "fwd-bwd")
@@ -135,6 +137,10 @@ def _attention_fn(provider: str, causal: bool):
     """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
     backwards = TRITON_BACKWARDS | {"triton-tl-bwd": "tl"}  # (tl: a comparison only, not a model attention)
     launchers = {"triton-native": "native", "triton-python": "python"}  # the default backward, by launcher
+    if provider == "triton-tf32x3":
+        from cs336_systems.kernels.flash_attention.function import flash_attention
+
+        return lambda q, k, v: flash_attention(q, k, v, causal, fp32_precision="tf32x3")
     if provider in backwards or provider in launchers:
         from cs336_systems.kernels.flash_attention.function import flash_attention
 
@@ -173,6 +179,8 @@ def _skip_reason(case: AttentionCase, device: torch.device) -> str | None:
         return "SDPA backends are CUDA kernels"
     if case.provider.startswith("triton") and device.type != "cuda":
         return "Triton kernels need CUDA (use the tests for the interpreter)"
+    if case.provider == "triton-tf32x3" and case.dtype != "fp32":
+        return "tf32x3 is a precision of fp32 dots (16-bit dots always run on tensor cores)"
     if case.provider == "pytorch-flash" and case.seq > PYTORCH_FLASH_MAX_SEQ:
         return f"tiled Python reference is too slow above seq {PYTORCH_FLASH_MAX_SEQ}"
     if case.provider == "triton-compile-bwd" and case.seq * case.seq > COMPILED_BWD_MAX_SCORES:

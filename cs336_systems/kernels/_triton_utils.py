@@ -30,15 +30,25 @@ def autotune_enabled() -> bool:
     return os.environ.get("CS336_AUTOTUNE", "1") != "0"
 
 
-def configs_for_precision(configs: list, ieee_tiles: tuple, precision: str) -> list:
-    """The autotune candidates of one dot precision: `ieee_tiles` ((BLOCK_M, BLOCK_N, warps, stages) rows) are
-    the IEEE fp32 family, the rest the tensor-core one. IEEE fp32 dots run on CUDA cores (FMA): each thread
-    holds its rows of both operands across the whole reduction, so tensor-core tiles spill there and the FMA
-    tiles spread the same work over more warps. Where a family is empty (the interpreter's single config),
-    every config stays."""
-    def in_ieee_family(config) -> bool:
-        tile = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-        return tile in ieee_tiles
+def tile_family(precision: str, element_size: int) -> str:
+    """The autotune family of a launch: "ieee" (IEEE fp32 dots: FMA on CUDA cores, where each thread holds its
+    rows of both operands across the whole reduction, so tensor-core tiles spill and these spread the work over
+    more warps), "fp32-tensor-core" (fp32 operands on tensor cores, "tf32" or "tf32x3": twice the shared memory
+    of a 16-bit tile, and tf32x3 holds each operand split in two in registers) or "tensor-core" (16-bit)."""
+    if precision == "ieee":
+        return "ieee"
+    return "fp32-tensor-core" if element_size == 4 else "tensor-core"
 
-    family = [c for c in configs if in_ieee_family(c) == (precision == "ieee")]
-    return family or list(configs)
+
+def config_tile(config) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of a triton.Config."""
+    return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def configs_for_family(configs: list, families: dict[str, tuple], family: str) -> list:
+    """The autotune candidates of one family (`tile_family`), best-first: the configs of `families[family]`'s
+    tiles ((BLOCK_M, BLOCK_N, warps, stages) rows) in its listed order. Where that leaves nothing (the
+    interpreter's single config), every config stays."""
+    by_tile = {config_tile(c): c for c in configs}
+    chosen = [by_tile[tile] for tile in families[family] if tile in by_tile]
+    return chosen or list(configs)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_precision, interpreting
+from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_family, interpreting, tile_family
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
@@ -70,7 +70,8 @@ def add_compensated(total, error, part):
     total - error). For the fp32 ("ieee") gradient accumulators: `tl.dot(a, b, acc)` chains every product of a
     whole loop through one FMA sequence (and Triton rewrites `acc + tl.dot(a, b)` into that form), so over
     2048 causal queries dK's rounding grew to 3x PyTorch's (notes/flash_attention.md, Version 14). Adding each
-    tile's own dot here leaves a chain of one tile's length, and no rounding growth across tiles."""
+    tile's own dot here leaves a chain of one tile's length, and no rounding growth across tiles. "tf32x3"
+    (fp32 accuracy from tensor cores) accumulates the same way, so it is compensated too."""
     corrected = part - error
     new_total = total + corrected
     return new_total, (new_total - total) - corrected
@@ -88,7 +89,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
         do_block = tl.advance(do_block, (start_m, 0))
-    dk_error = tl.zeros_like(dk)  # (fp32 only: add_compensated)
+    dk_error = tl.zeros_like(dk)  # (fp32-accurate dots only: add_compensated)
     dv_error = tl.zeros_like(dv)
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
@@ -107,7 +108,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
-        if PRECISION == "ieee":
+        if PRECISION != "tf32":  # fp32-accurate dots ("ieee", "tf32x3"): compensated
             dv, dv_error = add_compensated(dv, dv_error, tl.dot(pT, do, input_precision=PRECISION))
             dk, dk_error = add_compensated(dk, dk_error, tl.dot(dsT, tl.trans(qT), input_precision=PRECISION))
         else:
@@ -123,7 +124,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
         if not USE_TMA:
             qT_block = tl.advance(qT_block, (0, BLOCK_M))
             do_block = tl.advance(do_block, (BLOCK_M, 0))
-    if PRECISION == "ieee":
+    if PRECISION != "tf32":
         dk, dv = dk - dk_error, dv - dv_error
     return dk, dv
 
@@ -137,7 +138,7 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         vT_block = tl.advance(vT_block, (0, start_n))
-    dq_error = tl.zeros_like(dq)  # (fp32 only: add_compensated)
+    dq_error = tl.zeros_like(dq)  # (fp32-accurate dots only: add_compensated)
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
@@ -151,14 +152,14 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        if PRECISION == "ieee":
+        if PRECISION != "tf32":
             dq, dq_error = add_compensated(dq, dq_error, tl.dot(ds, tl.trans(kT), input_precision=PRECISION))
         else:
             dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)
         if not USE_TMA:
             kT_block = tl.advance(kT_block, (0, BLOCK_N))
             vT_block = tl.advance(vT_block, (0, BLOCK_N))
-    if PRECISION == "ieee":
+    if PRECISION != "tf32":
         dq = dq - dq_error
     return dq
 
@@ -172,46 +173,73 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
 # 16 warps, dQ 64 x 32 on 16). `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --dtype fp32 --d 128`.
 DKDV_IEEE_FP32_TILES = ((64, 64, 16, 2), (32, 32, 16, 2), (32, 64, 8, 2), (16, 32, 8, 2), (32, 32, 4, 2))
 DQ_IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2))
+# fp32 on tensor cores (tf32x3, tf32): fp32 tiles take twice a 16-bit tile's shared memory, and tf32x3 (with
+# the compensated accumulators) holds split operands and two accumulators per gradient. ptxas, sm_90, tf32x3:
+# the dK/dV pass spills 20 B (32 x 32) to 3 KB (64 x 64 on 8 warps) at d 64, and 1.3-5.4 KB at d 128 where
+# every tile spills; the dQ pass 0-124 B at d 64, 48 B-2.8 KB at d 128. Each list's first fits d 64, and the
+# first the wide-head rule leaves at d 128 fits the H200's 227 KiB of shared memory (dK/dV 32 x 64 in 3 stages:
+# 224 KiB; one pass 32 x 32: 120 KiB; dQ 64 x 32: 192 KiB).
+# `python scripts/flash_ptx_schedule.py --kernel dkdv,dq,fused --dtype fp32 --precision tf32x3 --d 128`.
+DKDV_FP32_TENSOR_CORE_TILES = ((64, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 2), (32, 32, 8, 2),
+                               (16, 32, 8, 2))
+DQ_FP32_TENSOR_CORE_TILES = ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2),
+                             (32, 16, 8, 2))
+DKDV_TILE_FAMILIES = {
+    "tensor-core": ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2)),
+    "ieee": DKDV_IEEE_FP32_TILES, "fp32-tensor-core": DKDV_FP32_TENSOR_CORE_TILES}
+# The one-pass backward (dQ reduced into fp32) extends the dK/dV pass: its tiles, but its own 16-bit winners.
+FUSED_TILE_FAMILIES = DKDV_TILE_FAMILIES | {
+    "tensor-core": ((64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
+                    (16, 64, 4, 2))}
+DQ_TILE_FAMILIES = {
+    "tensor-core": ((128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
+                    (64, 16, 4, 2)),
+    "ieee": DQ_IEEE_FP32_TILES, "fp32-tensor-core": DQ_FP32_TENSOR_CORE_TILES}
+
+
+def _configs(families: dict[str, tuple]) -> list:
+    tiles = dict.fromkeys(tile for family in families.values() for tile in family)  # (in order, once each)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
 def _dkdv_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2))
-            + DKDV_IEEE_FP32_TILES]
+    return _configs(DKDV_TILE_FAMILIES)
 
 
 def _fused_configs():
     """The one-pass backward (dQ reduced into fp32): the dK/dV pass's tiles, which it extends."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
-                                 (16, 64, 4, 2)) + DKDV_IEEE_FP32_TILES]
+    return _configs(FUSED_TILE_FAMILIES)
 
 
 def _dq_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in ((128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
-                                 (64, 16, 4, 2)) + DQ_IEEE_FP32_TILES]
+    return _configs(DQ_TILE_FAMILIES)
 
 
-def _prune_backward(divisible_by: str, divides: str, ieee_tiles: tuple, wide_max_tile: int = 32 * 64):
-    """Keep the dot precision's family (`ieee_tiles` for IEEE fp32, the rest for tensor cores), and in it the
-    configs whose tile sizes nest (needed by the causal loop split) and that fit on chip: wide heads (d 256,
-    or fp32 at d 128) take BLOCK_M x BLOCK_N <= wide_max_tile (the fused pass holds one more tile of dQ in
-    shared memory: (32, 64) overflowed the H200's 227 KiB by 2 KiB at d 256)."""
+def _prune_backward(divisible_by: str, divides: str, families: dict[str, tuple], wide_max_tile: int = 32 * 64):
+    """Keep the launch's tile family (`tile_family`, `families`), and in it the configs whose tile sizes nest
+    (needed by the causal loop split) and that fit on chip: wide heads (d 256, or fp32 at d 128) take
+    BLOCK_M x BLOCK_N <= wide_max_tile (the fused pass holds one more tile of dQ in shared memory: (32, 64)
+    overflowed the H200's 227 KiB by 2 KiB at d 256).
+    IEEE fp32 at d <= 32 tunes over the tensor-core tiles too: they do not spill there, and on the H200 they won
+    at long sequences (fp32 d 32 causal seq 32768: backward 13.7 ms against 23.4 ms on the FMA tiles alone,
+    results/attention.jsonl), the FMA tiles at short ones (seq 2048: 0.44 against 0.53 ms)."""
 
     def prune(configs, named_args, **kwargs):
-        configs = configs_for_precision(configs, ieee_tiles, kwargs.get("PRECISION"))
         head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        family = tile_family(kwargs.get("PRECISION"), named_args["Q"].element_size())
+        candidates = configs_for_family(configs, families, family)
+        if family == "ieee" and head_dim <= 32:
+            candidates = configs_for_family(configs, families, "tensor-core") + candidates  # (no tile in both)
         wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
-        kept = [c for c in configs if c.kwargs[divisible_by] % c.kwargs[divides] == 0
+        kept = [c for c in candidates if c.kwargs[divisible_by] % c.kwargs[divides] == 0
                 and (not wide or c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= wide_max_tile)]
-        kept = kept or configs[-1:]
+        kept = kept or candidates[-1:]
         return kept if autotune_enabled() else kept[:1]  # configs are listed best-first
 
     return prune
@@ -295,16 +323,16 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
 flash_dkdv_kernel = triton.autotune(
     configs=_dkdv_configs(), key=_BACKWARD_KEY,
-    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_IEEE_FP32_TILES)})(_dkdv_kernel)
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_TILE_FAMILIES)})(_dkdv_kernel)
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
     configs=_fused_configs(), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
-    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_IEEE_FP32_TILES,
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", FUSED_TILE_FAMILIES,
                                                               wide_max_tile=16 * 64)})(_dkdv_kernel)
 
 
 @triton.autotune(configs=_dq_configs(), key=_BACKWARD_KEY,
-                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_IEEE_FP32_TILES)})
+                 prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_TILE_FAMILIES)})
 @triton.jit
 def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     stride_qb, stride_qh, stride_qn, stride_qd,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_precision, interpreting
+from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_family, interpreting, tile_family
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 LOG2E = 1.4426950408889634
@@ -63,24 +63,32 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
 # at d 128, 64 x 32 on 8 and 32 x 32 on 4 not at d 64
 # (`python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32 --d 128 --config 64x64x16x2`).
 IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 8, 2))
+# fp32 on tensor cores (tf32x3, tf32): fp32 tiles take twice a 16-bit tile's shared memory (64 x 64 in 3 stages
+# is 256 KiB at d 128, past the H200's 227), and tf32x3 splits each operand in registers. ptxas (sm_90,
+# tf32x3) spills at most 44 B on these at d 64, and at d 128 (the wide-head rule leaves the last four) at most
+# 652 B, in at most 192 KiB: `python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32
+# --precision tf32x3 --d 128 --config 128x32x8x2`.
+FP32_TENSOR_CORE_TILES = ((128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3), (32, 32, 4, 2))
+# 16-bit: the first two won `cs336-bench attention-tune` on the H200 at d 128 and d 64 (bf16, causal,
+# results/attention-tune.jsonl); the smaller tiles fit wide heads.
+TENSOR_CORE_TILES = ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                     (64, 32, 4, 2))
+TILE_FAMILIES = {"tensor-core": TENSOR_CORE_TILES, "ieee": IEEE_FP32_TILES, "fp32-tensor-core": FP32_TENSOR_CORE_TILES}
 
 
 def _forward_configs():
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    # The space is small on purpose: a cold cache compiles it in seconds per (head dim, dtype, causal).
-    # The first two won `cs336-bench attention-tune` on the H200 at d 128 and d 64 (bf16, causal,
-    # results/attention-tune.jsonl); the smaller tiles fit wide heads.
-    tensor_core_tiles = ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                         (64, 32, 4, 2))
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in tensor_core_tiles + IEEE_FP32_TILES]
+    # The space is small on purpose: a cold cache compiles one family in seconds per (head dim, dtype, causal).
+    tiles = dict.fromkeys(tile for family in TILE_FAMILIES.values() for tile in family)  # (in order, once each)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
 
 
 def _prune_forward_configs(configs, named_args, **kwargs):
-    """Keep the dot precision's family (IEEE fp32 or tensor cores) and the configs that fit: fp32 tiles and wide
-    heads need smaller blocks (shared memory)."""
-    configs = configs_for_precision(configs, IEEE_FP32_TILES, kwargs.get("PRECISION"))
+    """Keep the launch's tile family (`tile_family`: IEEE fp32, fp32 on tensor cores, 16-bit) and the configs
+    that fit: fp32 tiles and wide heads need smaller blocks (shared memory)."""
+    family = tile_family(kwargs.get("PRECISION"), named_args["Q"].element_size())
+    configs = configs_for_family(configs, TILE_FAMILIES, family)
     head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     wide = head_dim >= 256 or named_args["Q"].element_size() == 4 and head_dim >= 128
     n_queries = named_args["n_queries"]

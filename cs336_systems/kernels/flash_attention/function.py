@@ -3,8 +3,8 @@
 Inputs are 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), any strides (the model's
 head-split views are read in place), fp16 / bf16 / fp32, head dim 1..256 (padded in
 registers to the next power of two, at least 16; fp32 up to 128), any sequence lengths,
-n_queries != n_keys allowed. fp32 dots follow `torch.backends.cuda.matmul.allow_tf32`
-(IEEE fp32 by default, as torch's own matmuls).
+n_queries != n_keys allowed. fp32 dots are IEEE fp32 by default, as torch's own matmuls; "tf32x3" (near-fp32
+accuracy on tensor cores) and "tf32" are chosen as `precision.py` says.
 
 L (the row log-sum-exp) is computed and kept in fp32 whatever the input dtype: rounding
 it to bf16 would put errors of several percent into the recomputed P.
@@ -39,6 +39,11 @@ from cs336_systems.kernels.flash_attention.backward import (
     flash_preprocess_kernel,
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
+from cs336_systems.kernels.flash_attention.precision import (
+    dot_precision,
+    fp32_dot_precision,
+    fp32_dot_precision_override,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
@@ -81,7 +86,7 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 def _launch_shape(q: torch.Tensor, k: torch.Tensor):
     head_dim = q.shape[-1]
     block_d = max(16, triton.next_power_of_2(head_dim))
-    precision = "tf32" if q.dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    precision = dot_precision(q.dtype)
     buckets = (triton.next_power_of_2(q.shape[-2]), triton.next_power_of_2(k.shape[-2]))
     return block_d, block_d == head_dim, precision, buckets
 
@@ -211,12 +216,12 @@ def _forward_buffers(q) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
-    return "forward", bool(is_causal), torch.backends.cuda.matmul.allow_tf32, launch_plan.tensor_signature(q, k, v)
+    return "forward", bool(is_causal), dot_precision(q.dtype), launch_plan.tensor_signature(q, k, v)
 
 
 def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
                       gluon: bool | None = None) -> tuple:
-    return ("backward", bool(is_causal), fused, gluon, torch.backends.cuda.matmul.allow_tf32,
+    return ("backward", bool(is_causal), fused, gluon, dot_precision(q.dtype),
             launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
 
 
@@ -468,6 +473,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = bool(is_causal)
         ctx.backward_impl = backward
+        ctx.precision = dot_precision(q.dtype)  # the backward's dots match the forward's, whatever is set by then
         return out
 
     @staticmethod
@@ -476,8 +482,9 @@ class FlashAttentionTriton(torch.autograd.Function):
         if ctx.backward_impl == "compile":
             dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
         else:
-            dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
-                                        **_BACKWARD_OPTIONS[ctx.backward_impl])
+            with fp32_dot_precision(ctx.precision if q.dtype == torch.float32 else None):
+                dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
+                                            **_BACKWARD_OPTIONS[ctx.backward_impl])
         return dq, dk, dv, None, None
 
 
@@ -485,7 +492,7 @@ LAUNCHERS = ("python", "native")
 
 
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton",
-                    launcher: str | None = None) -> torch.Tensor:
+                    launcher: str | None = None, fp32_precision: str | None = None) -> torch.Tensor:
     """Our Triton FlashAttention-2. backward: "triton" (the fastest measured: two deterministic passes, in Gluon
     on Hopper where the inputs qualify, but one pass at `hopper_backward.ONE_PASS_HEAD_DIMS`), "two-pass"
     (always the two passes: bit-reproducible), "tl" (the two passes in `tl` everywhere), "fused" (one pass, dQ
@@ -493,7 +500,13 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     launcher: "python" (this module's autograd Function; repeat calls replay `launch_plan` plans), "native"
     (repeat calls replayed by a C++ autograd node, `native_launch.py`, where a plan can be made: CUDA, not
     under torch.compile or a dispatch mode, not backward="compile"; else the Python path) or None (default:
-    "native" unless `native_launch.use_native(False)` or CS336_FLASH_NATIVE=0 turned it off)."""
+    "native" unless `native_launch.use_native(False)` or CS336_FLASH_NATIVE=0 turned it off).
+    fp32_precision: the dot precision of fp32 inputs for this call ("ieee", "tf32x3" or "tf32"; `precision.py`),
+    None: as set for the process. fp32 calls with a precision set take the Python launcher (the native plans
+    key on `allow_tf32` only)."""
+    if fp32_precision is not None:
+        with fp32_dot_precision(fp32_precision):
+            return flash_attention(q, k, v, is_causal, backward=backward, launcher=launcher)
     if backward not in BACKWARD_IMPLS:
         raise ValueError(f"flash_attention: backward must be one of {', '.join(BACKWARD_IMPLS)}, got {backward!r}")
     if launcher is None:
@@ -501,7 +514,8 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     elif launcher not in LAUNCHERS:
         raise ValueError(f"flash_attention: launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     if (launcher == "native" and backward in native_launch.BACKWARD_CODES and isinstance(q, torch.Tensor)
-            and q.device.type == "cuda" and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()):
+            and q.device.type == "cuda" and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+            and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
         out = native_launch.attention(q, k, v, is_causal, backward)
         if out is not None:
             return out

@@ -9,10 +9,11 @@ against 17-19 us for SDPA's (`scripts/attention_host_overhead.py` on the H200's 
 A plan is made once per input signature, by running the normal launch path once and capturing, for each
 kernel it launched, the compiled kernel, its grid and every argument's value. The signature is
 everything the launch path decided on and the compiler specialised on: shapes, strides, dtypes, devices,
-16-byte alignment of every tensor, the flags (causal, which backward) and `allow_tf32`. Later calls with
-that signature allocate their outputs and call the compiled kernels directly, substituting only the
-tensors' addresses. Arguments are matched to tensors by address when the plan is made; inputs that
-share an address (self-attention on one tensor) make no plan, since their roles could not be told apart.
+16-byte alignment of every tensor, the flags (causal, which backward) and the fp32 dot precision
+(`precision.py`). Later calls with that signature allocate their outputs and call the compiled kernels
+directly, substituting only the tensors' addresses. Arguments are matched to tensors by address when the
+plan is made; inputs that share an address (self-attention on one tensor)
+make no plan, since their roles could not be told apart.
 
 Limits: environment switches (CS336_FLASH_GLUON, CS336_AUTOTUNE) are read when a plan is made;
 `clear_plans()` drops them. Plans are kept only on CUDA (the interpreter has no compiled kernels) and at

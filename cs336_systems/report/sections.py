@@ -371,24 +371,32 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
 
 
 def _flash_sweep_fp32(doc: Document, sweep_rows: pd.DataFrame) -> None:
-    """fp32 against the one SDPA backend that takes it (efficient), per head dim: our forward and fwd+bwd."""
+    """fp32 against the one SDPA backend that takes it (efficient), per head dim: our forward and fwd+bwd, with
+    IEEE dots (`triton`) and with tf32x3 (`triton-tf32x3`, the efficient backend's own fp32 arithmetic)."""
     times = sweep_rows[(sweep_rows["dtype"] == "fp32") & (sweep_rows["metric"] == "time")
                        & (sweep_rows["status"] == "ok") & (sweep_rows["seq"] >= 2048)]
     wide = times.pivot_table(index=["d", "seq", "pass"], columns="provider", values="median").reset_index()
-    if not {"triton", "sdpa-efficient"} <= set(wide.columns):
+    if "sdpa-efficient" not in wide.columns:
         return
-    wide["ratio"] = wide["sdpa-efficient"] / wide["triton"]
-    parts = []
-    for d, group in wide.dropna(subset=["ratio"]).groupby("d"):
-        spans = {p: g["ratio"] for p, g in group.groupby("pass")}
-        text = ", ".join(f"{p} {r.min():.2f}-{r.max():.2f}x" for p, r in spans.items() if p in ("fwd", "fwd-bwd"))
-        parts.append(f"d {d}: {text}")
-    commits = ", ".join(sorted(set(times[times["provider"] == "triton"]["git_commit"].astype(str).str[:10])))
+    sentences = []
+    for provider, dots in (("triton", "IEEE fp32 dots (FMA on CUDA cores, our default)"),
+                           ("triton-tf32x3", "tf32x3 dots (`fp32_precision=\"tf32x3\"`)")):
+        if provider not in wide.columns:
+            continue
+        ratio = (wide["sdpa-efficient"] / wide[provider]).rename("ratio")
+        parts = []
+        for d, group in pd.concat([wide[["d", "pass"]], ratio], axis=1).dropna().groupby("d"):
+            text = ", ".join(f"{p} {g['ratio'].min():.2f}-{g['ratio'].max():.2f}x" for p, g in group.groupby("pass")
+                             if p in ("fwd", "fwd-bwd"))
+            parts.append(f"d {d}: {text}")
+        commits = ", ".join(sorted(set(times[times["provider"] == provider]["git_commit"].astype(str).str[:10])))
+        sentences.append(f"with {dots}, {'; '.join(parts)} (ours from commit {commits})")
+    if not sentences:
+        return
     doc.add(Paragraph(
-        "fp32 (IEEE dots unless `allow_tf32`; of SDPA's backends only the efficient one takes fp32): SDPA-efficient's "
-        f"time / ours at seq >= 2048, {'; '.join(parts)} (ours from commit {commits}). Below 1 ours is slower "
-        "(notes/flash_attention.md, Version 15: register spills of IEEE FMA dots on tensor-core tiles, and the "
-        "fix)."))
+        "fp32 (of SDPA's backends only the efficient one takes fp32; on sm_80 and later it runs three TF32 "
+        "tensor-core products per dot): SDPA-efficient's time / ours at seq >= 2048, " + "; ".join(sentences)
+        + ". Below 1 ours is slower (notes/flash_attention.md, Versions 15-16)."))
 
 
 def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None:

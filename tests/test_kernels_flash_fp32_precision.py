@@ -128,9 +128,11 @@ def _check_tf32x3(shape, causal, backward, device):
     if device == "cuda":  # PyTorch's own fp32 attention kernel, in the same arithmetic
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def efficient(q, k, v):
+        def efficient(q, k, v):  # (the backend takes 4-D inputs only: 3-D ones get a head dim of 1)
+            q4, k4, v4 = (t.unsqueeze(1) if t.dim() == 3 else t for t in (q, k, v))
             with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=causal)
+            return out.squeeze(1) if q.dim() == 3 else out
 
         lows.append(_run(efficient, [t.detach().clone().requires_grad_() for t in inputs], grad_out))
     for index, name in enumerate(("out", "dq", "dk", "dv")):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, fp32-error, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -107,6 +107,17 @@ run_stage() {
         CS336_AUTOTUNE=0 python3 scripts/flash_fp32_error.py --seq 2048 --d 64 --seeds 0,1,2 --backward $backward \
           --out "$R/flash_fp32_error_$backward.csv" 2>&1 | tail -20
       done
+      ;;
+    fp32-precision)
+      # fp32's dot precisions (precision.py): the tf32x3 and selection tests and the IEEE fp32 GPU matrix, then
+      # IEEE and tf32x3 beside SDPA-efficient (3xTF32 itself); FLASH_D / FLASH_SEQ narrow the sweep.
+      CS336_AUTOTUNE=0 timeout 240 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_fp32_precision.py tests/test_kernels_flash_attention.py \
+        -k "precision or tf32x3 or (full_matrix and dtype2 and not compile)" 2>&1 \
+        | tee "$OUT/tests_fp32_precision.log" | tail -12
+      python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-32,64,128}" --dtype fp32 \
+        --seq "${FLASH_SEQ:-2048,8192,32768}" --provider triton,triton-tf32x3,sdpa-efficient --rep-ms 40 \
+        --no-progress --results-dir "$R" 2>&1 | tail -30
       ;;
     tests-launch-plan)
       # The launch-plan tests alone (Python and native replay, the fresh-process first backward, the random stream).

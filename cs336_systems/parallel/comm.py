@@ -84,6 +84,10 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
     try:
         setup(backend, rank=rank, world_size=world_size, device=device)
         fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # Every rank done before any tears down: a gloo rank destroying its group while a peer still talks
+            # to it aborted once in CI ("terminate called without an active exception", SIGABRT, 2026-12-04).
+            dist.barrier()
     except BaseException as error:
         # Record when and why this rank failed: the parent reports the first failure, the cause,
         # not a peer's "connection closed" that followed it.

@@ -40,6 +40,7 @@ from cs336_systems.kernels.flash_attention.backward import (
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
 from cs336_systems.kernels.flash_attention.precision import (
+    FP32_DOT_PRECISIONS,
     dot_precision,
     fp32_dot_precision,
     fp32_dot_precision_override,
@@ -505,6 +506,9 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     None: as set for the process. fp32 calls with a precision set take the Python launcher (the native plans
     key on `allow_tf32` only)."""
     if fp32_precision is not None:
+        if fp32_precision not in FP32_DOT_PRECISIONS:
+            raise ValueError(f"flash_attention: fp32_precision must be one of {', '.join(FP32_DOT_PRECISIONS)} "
+                             f"or None, got {fp32_precision!r}")
         with fp32_dot_precision(fp32_precision):
             return flash_attention(q, k, v, is_causal, backward=backward, launcher=launcher)
     if backward not in BACKWARD_IMPLS:

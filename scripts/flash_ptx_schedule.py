@@ -24,11 +24,13 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real, even where the tests set the interpreter
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from cs336_systems.kernels._triton_utils import config_tile  # noqa: E402
 from cs336_systems.kernels.flash_attention import (  # noqa: E402
     backward,
     forward,
@@ -37,9 +39,23 @@ from cs336_systems.kernels.flash_attention import (  # noqa: E402
     hopper_one_pass,
 )
 
-DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}  # fp32: the tl kernels only (IEEE dots)
+DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}  # fp32: the tl kernels only
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SCALARS = ("qk_scale", "sm_scale")
 NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
+
+
+TL_AUTOTUNERS = {"forward": forward.flash_forward_kernel, "dkdv": backward.flash_dkdv_kernel,
+                 "fused": backward.flash_bwd_fused_kernel, "dq": backward.flash_dq_kernel}
+
+
+def first_tl_config(name: str, dtype: str, precision: str, head_dim: int) -> tuple[int, int, int, int]:
+    """The first config a `tl` kernel's autotuner keeps for a long sequence at this dtype, dot precision and
+    head dim (its pruning, as a launch runs it): what CS336_AUTOTUNE=0 launches."""
+    tuner = TL_AUTOTUNERS[name]
+    named = {"Q": torch.empty(0, dtype=TORCH_DTYPES[dtype]), "n_queries": 4096}
+    first = tuner.early_config_prune(tuner.configs, named, BLOCK_D=head_dim, PRECISION=precision)[0]
+    return config_tile(first)
 
 
 def kernels(dtype: str) -> dict:
@@ -48,12 +64,13 @@ def kernels(dtype: str) -> dict:
     dkdv_pointers = {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")} | {"L": "*fp32", "Delta": "*fp32",
                                                                         "DQ_ACCUM": "*fp32"}
     return {
+        # The tl kernels: shipped config None, the first their autotuner keeps for the launch (`first_tl_config`).
         "forward": (forward.flash_forward_kernel.fn, {n: t for n in ("Q", "K", "V", "O")} | {"L": "*fp32"}, {},
-                    (128, 128, 8, 3)),
-        "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0}, (64, 64, 4, 2)),
-        "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1}, (64, 64, 4, 2)),  # the one-pass dK/dV
+                    None),
+        "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0}, None),
+        "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1}, None),  # the one-pass dK/dV
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
-               | {"L": "*fp32", "Delta": "*fp32"}, {}, (128, 64, 8, 3)),
+               | {"L": "*fp32", "Delta": "*fp32"}, {}, None),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.
         "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
                        | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0, "DQ_ACCUM": None, "DQ_SPLIT": 0,
@@ -162,8 +179,11 @@ def main() -> None:
     if unknown:
         parser.error(f"--kernel: got {', '.join(unknown)}; allowed: {', '.join(table)}")
     target = GPUTarget("cuda", args.arch, 32)
+    precision = (args.precision or "ieee") if args.dtype == "fp32" else "tf32"  # as function.py's default
     for name in names:
         fn, pointers, extra, shipped = table[name]
+        if shipped is None:
+            shipped = first_tl_config(name, args.dtype, precision, args.d)
         for bm, bn, warps, stages in args.config or [shipped]:
             gluon = "-gluon" in name
             if gluon and args.dtype == "fp32":
@@ -172,7 +192,6 @@ def main() -> None:
                 constexprs = dict(IS_CAUSAL=args.causal == "on", HEAD_DIM=args.d, BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
                                   **extra)
             else:
-                precision = (args.precision or "ieee") if args.dtype == "fp32" else "tf32"
                 constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION=precision,
                                   BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
             try:

@@ -446,25 +446,22 @@ def test_autotune_candidates_follow_the_dot_precision(head_dim, monkeypatch):
     over the tensor-core ones; every pass's list stays nested for the causal split and within the wide-head
     limit."""
     pytest.importorskip("triton")
+    from cs336_systems.kernels import _triton_utils
+    from cs336_systems.kernels._triton_utils import config_tile as tile
+    from cs336_systems.kernels._triton_utils import configs_from_families
     from cs336_systems.kernels.flash_attention import backward, forward
 
     monkeypatch.setenv("CS336_AUTOTUNE", "1")  # (the GPU stage runs with 0: one config per launch)
-
-    def tile(config):
-        return (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-
-    passes = {"forward": (forward._prune_forward_configs, forward.TILE_FAMILIES, forward._forward_configs()),
-              "dkdv": (backward.flash_dkdv_kernel.early_config_prune, backward.DKDV_TILE_FAMILIES,
-                       backward._dkdv_configs()),
-              "fused": (backward.flash_bwd_fused_kernel.early_config_prune, backward.FUSED_TILE_FAMILIES,
-                        backward._fused_configs()),
-              "dq": (backward.flash_dq_kernel.early_config_prune, backward.DQ_TILE_FAMILIES, backward._dq_configs())}
+    monkeypatch.setattr(_triton_utils, "interpreting", lambda: False)  # the GPU's spaces, not the interpreter's
+    passes = {"forward": (forward._prune_forward_configs, forward.TILE_FAMILIES),
+              "dkdv": (backward.flash_dkdv_kernel.early_config_prune, backward.DKDV_TILE_FAMILIES),
+              "fused": (backward.flash_bwd_fused_kernel.early_config_prune, backward.FUSED_TILE_FAMILIES),
+              "dq": (backward.flash_dq_kernel.early_config_prune, backward.DQ_TILE_FAMILIES)}
     launches = {(torch.float32, "ieee"): "ieee", (torch.float32, "tf32x3"): "fp32-tensor-core",
                 (torch.float32, "tf32"): "fp32-tensor-core", (torch.bfloat16, "tf32"): "tensor-core"}
-    for name, (prune, families, configs) in passes.items():
+    for name, (prune, families) in passes.items():
         assert set(families) == {"tensor-core", "ieee", "fp32-tensor-core"}, name
-        if len(configs) == 1:  # the interpreter's single config
-            continue
+        configs = configs_from_families(families)
         # Reversed: the family's own order (best-first) decides, not the autotuner's list.
         candidates = list(reversed(configs))
         big, small = (0, 1) if name in ("forward", "dq") else (1, 0)
@@ -486,20 +483,9 @@ def test_autotune_candidates_follow_the_dot_precision(head_dim, monkeypatch):
 def test_fp32_tensor_core_first_configs_fit_shared_memory_at_d128(kernel):
     """fp32 tiles on tensor cores take twice a 16-bit tile's shared memory: the first config the wide-head rule
     leaves at d 128 (what CS336_AUTOTUNE=0 launches) compiles for sm_90 within the H200's 227 KiB, in tf32x3."""
-    triton = pytest.importorskip("triton")
-    from cs336_systems.kernels.flash_attention import backward, forward
-
-    prune = {"forward": forward._prune_forward_configs, "dkdv": backward.flash_dkdv_kernel.early_config_prune,
-             "fused": backward.flash_bwd_fused_kernel.early_config_prune,
-             "dq": backward.flash_dq_kernel.early_config_prune}[kernel]
-    tiles = {"forward": forward.FP32_TENSOR_CORE_TILES, "dkdv": backward.DKDV_FP32_TENSOR_CORE_TILES,
-             "fused": backward.DKDV_FP32_TENSOR_CORE_TILES, "dq": backward.DQ_FP32_TENSOR_CORE_TILES}[kernel]
-    candidates = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in tiles]
-    named = {"Q": torch.empty(1, dtype=torch.float32), "n_queries": 4096}
-    first = prune(candidates, named, BLOCK_D=128, PRECISION="tf32x3")[0]
-    config = f"{first.kwargs['BLOCK_M']}x{first.kwargs['BLOCK_N']}x{first.num_warps}x{first.num_stages}"
-    done = _run_ptx_script("--kernel", kernel, "--dtype", "fp32", "--precision", "tf32x3", "--d", "128",
-                           "--config", config)
+    pytest.importorskip("triton")
+    # Without --config the script compiles the first config the kernel's autotuner keeps for the launch.
+    done = _run_ptx_script("--kernel", kernel, "--dtype", "fp32", "--precision", "tf32x3", "--d", "128")
     assert done.returncode == 0, done.stderr[-2000:]
     line = done.stdout.strip().splitlines()[-1]
     shared = re.search(r"shared (\d+) KiB", line)
@@ -724,13 +710,12 @@ def test_ieee_fp32_first_configs_do_not_spill_at_d128():
     """IEEE fp32 dots run on CUDA cores; the tensor-core tiles spilled there (the forward at d 128 by 53 KB, 20x
     slower than naive fp32). The fp32 family's first fitting config of each pass keeps everything in registers."""
     pytest.importorskip("triton")
-    from cs336_systems.kernels.flash_attention import forward
-
-    forward_first = "x".join(map(str, forward.IEEE_FP32_TILES[0]))
-    done = _run_ptx_script("--kernel", "forward", "--dtype", "fp32", "--d", "128", "--config", forward_first)
+    # Without --config the script compiles the first config each kernel's autotuner keeps for the launch.
+    done = _run_ptx_script("--kernel", "forward,dkdv,dq", "--dtype", "fp32", "--d", "128")
     assert done.returncode == 0, done.stderr[-2000:]
-    line = done.stdout.strip().splitlines()[-1]
-    assert line.startswith("forward") and re.search(r"\b0 B spilled", line), line
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["forward", "dkdv", "dq"], lines
+    assert all(re.search(r"\b0 B spilled", line) for line in lines), lines
 
 
 @requires_hopper

@@ -40,6 +40,19 @@ def tile_family(precision: str, element_size: int) -> str:
     return "fp32-tensor-core" if element_size == 4 else "tensor-core"
 
 
+def configs_from_families(families: dict[str, tuple]) -> list:
+    """One triton.Config per tile of every family, in listed order and once each (`configs_for_family` picks a
+    launch's share). Under the interpreter a single small config: it runs anything, and tuning means nothing
+    there. The spaces are small on purpose: a cold cache compiles one family in seconds per (head dim, dtype,
+    causal)."""
+    import triton
+
+    if interpreting():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    tiles = dict.fromkeys(tile for family in families.values() for tile in family)
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
+
+
 def config_tile(config) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of a triton.Config."""
     return config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages

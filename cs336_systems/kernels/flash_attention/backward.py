@@ -32,7 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_family, interpreting, tile_family
+from cs336_systems.kernels._triton_utils import (
+    autotune_enabled,
+    configs_for_family,
+    configs_from_families,
+    tile_family,
+)
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
@@ -175,7 +180,7 @@ DKDV_IEEE_FP32_TILES = ((64, 64, 16, 2), (32, 32, 16, 2), (32, 64, 8, 2), (16, 3
 DQ_IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2))
 # fp32 on tensor cores (tf32x3, tf32): fp32 tiles take twice a 16-bit tile's shared memory, and tf32x3 (with
 # the compensated accumulators) holds split operands and two accumulators per gradient. ptxas, sm_90, tf32x3:
-# the dK/dV pass spills 20 B (32 x 32) to 3 KB (64 x 64 on 8 warps) at d 64, and 1.3-5.4 KB at d 128 where
+# the dK/dV pass spills 20 B (32 x 32) to 3 KB (64 x 64 on 8 warps) at d 64, and 1.3-9.6 KB at d 128 where
 # every tile spills; the dQ pass 0-124 B at d 64, 48 B-2.8 KB at d 128. Each list's first fits d 64, and the
 # first the wide-head rule leaves at d 128 fits the H200's 227 KiB of shared memory (dK/dV 32 x 64 in 3 stages:
 # 224 KiB; one pass 32 x 32: 120 KiB; dQ 64 x 32: 192 KiB).
@@ -195,30 +200,6 @@ DQ_TILE_FAMILIES = {
     "tensor-core": ((128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                     (64, 16, 4, 2)),
     "ieee": DQ_IEEE_FP32_TILES, "fp32-tensor-core": DQ_FP32_TENSOR_CORE_TILES}
-
-
-def _configs(families: dict[str, tuple]) -> list:
-    tiles = dict.fromkeys(tile for family in families.values() for tile in family)  # (in order, once each)
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
-
-
-def _dkdv_configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return _configs(DKDV_TILE_FAMILIES)
-
-
-def _fused_configs():
-    """The one-pass backward (dQ reduced into fp32): the dK/dV pass's tiles, which it extends."""
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return _configs(FUSED_TILE_FAMILIES)
-
-
-def _dq_configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return _configs(DQ_TILE_FAMILIES)
 
 
 def _prune_backward(divisible_by: str, divides: str, families: dict[str, tuple], wide_max_tile: int = 32 * 64):
@@ -322,16 +303,16 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
 
 flash_dkdv_kernel = triton.autotune(
-    configs=_dkdv_configs(), key=_BACKWARD_KEY,
+    configs=configs_from_families(DKDV_TILE_FAMILIES), key=_BACKWARD_KEY,
     prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_TILE_FAMILIES)})(_dkdv_kernel)
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
-    configs=_fused_configs(), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
+    configs=configs_from_families(FUSED_TILE_FAMILIES), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
     prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", FUSED_TILE_FAMILIES,
                                                               wide_max_tile=16 * 64)})(_dkdv_kernel)
 
 
-@triton.autotune(configs=_dq_configs(), key=_BACKWARD_KEY,
+@triton.autotune(configs=configs_from_families(DQ_TILE_FAMILIES), key=_BACKWARD_KEY,
                  prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_TILE_FAMILIES)})
 @triton.jit
 def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,

@@ -20,7 +20,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_family, interpreting, tile_family
+from cs336_systems.kernels._triton_utils import (
+    autotune_enabled,
+    configs_for_family,
+    configs_from_families,
+    tile_family,
+)
 from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
 
 LOG2E = 1.4426950408889634
@@ -76,14 +81,6 @@ TENSOR_CORE_TILES = ((128, 128, 8, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 6
 TILE_FAMILIES = {"tensor-core": TENSOR_CORE_TILES, "ieee": IEEE_FP32_TILES, "fp32-tensor-core": FP32_TENSOR_CORE_TILES}
 
 
-def _forward_configs():
-    if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    # The space is small on purpose: a cold cache compiles one family in seconds per (head dim, dtype, causal).
-    tiles = dict.fromkeys(tile for family in TILE_FAMILIES.values() for tile in family)  # (in order, once each)
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in tiles]
-
-
 def _prune_forward_configs(configs, named_args, **kwargs):
     """Keep the launch's tile family (`tile_family`: IEEE fp32, fp32 on tensor cores, 16-bit) and the configs
     that fit: fp32 tiles and wide heads need smaller blocks (shared memory)."""
@@ -100,7 +97,7 @@ def _prune_forward_configs(configs, named_args, **kwargs):
     return kept if autotune_enabled() else kept[:1]  # configs are listed best-first
 
 
-@triton.autotune(configs=_forward_configs(),
+@triton.autotune(configs=configs_from_families(TILE_FAMILIES),
                  key=["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_forward_configs})
 @triton.jit

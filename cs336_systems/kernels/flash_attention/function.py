@@ -40,7 +40,7 @@ from cs336_systems.kernels.flash_attention.backward import (
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
 from cs336_systems.kernels.flash_attention.precision import (
-    FP32_DOT_PRECISIONS,
+    checked,
     dot_precision,
     fp32_dot_precision,
     fp32_dot_precision_override,
@@ -483,7 +483,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         if ctx.backward_impl == "compile":
             dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
         else:
-            with fp32_dot_precision(ctx.precision if q.dtype == torch.float32 else None):
+            with fp32_dot_precision(ctx.precision):  # (16-bit inputs: "tf32", which their dots ignore)
                 dq, dk, dv = flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
                                             **_BACKWARD_OPTIONS[ctx.backward_impl])
         return dq, dk, dv, None, None
@@ -505,10 +505,7 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     fp32_precision: the dot precision of fp32 inputs for this call ("ieee", "tf32x3" or "tf32"; `precision.py`),
     None: as set for the process. fp32 calls with a precision set take the Python launcher (the native plans
     key on `allow_tf32` only)."""
-    if fp32_precision is not None:
-        if fp32_precision not in FP32_DOT_PRECISIONS:
-            raise ValueError(f"flash_attention: fp32_precision must be one of {', '.join(FP32_DOT_PRECISIONS)} "
-                             f"or None, got {fp32_precision!r}")
+    if checked(fp32_precision, "flash_attention: fp32_precision") is not None:
         with fp32_dot_precision(fp32_precision):
             return flash_attention(q, k, v, is_causal, backward=backward, launcher=launcher)
     if backward not in BACKWARD_IMPLS:

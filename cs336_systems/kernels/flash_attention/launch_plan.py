@@ -12,8 +12,8 @@ everything the launch path decided on and the compiler specialised on: shapes, s
 16-byte alignment of every tensor, the flags (causal, which backward) and the fp32 dot precision
 (`precision.py`). Later calls with that signature allocate their outputs and call the compiled kernels
 directly, substituting only the tensors' addresses. Arguments are matched to tensors by address when the
-plan is made; inputs that share an address (self-attention on one tensor)
-make no plan, since their roles could not be told apart.
+plan is made; inputs that share an address (self-attention on one tensor) make no plan, since their roles
+could not be told apart.
 
 Limits: environment switches (CS336_FLASH_GLUON, CS336_AUTOTUNE) are read when a plan is made;
 `clear_plans()` drops them. Plans are kept only on CUDA (the interpreter has no compiled kernels) and at

@@ -28,20 +28,21 @@ FP32_DOT_PRECISIONS = ("ieee", "tf32x3", "tf32")
 ENV_VAR = "CS336_FLASH_FP32"
 
 
-def _checked(precision: str | None, where: str) -> str | None:
+def checked(precision: str | None, where: str) -> str | None:
+    """`precision` if it is one of FP32_DOT_PRECISIONS or None, else a ValueError naming `where`."""
     if precision is not None and precision not in FP32_DOT_PRECISIONS:
         raise ValueError(f"{where}: got {precision!r}; allowed: {', '.join(FP32_DOT_PRECISIONS)} "
                          "(or unset: follow torch.backends.cuda.matmul.allow_tf32)")
     return precision
 
 
-_override: str | None = _checked(os.environ.get(ENV_VAR) or None, ENV_VAR)
+_override: str | None = checked(os.environ.get(ENV_VAR) or None, ENV_VAR)
 
 
 def set_fp32_dot_precision(precision: str | None) -> None:
     """The fp32 dot precision from now on (None: follow `allow_tf32`)."""
     global _override
-    _override = _checked(precision, "fp32 dot precision")
+    _override = checked(precision, "fp32 dot precision")
 
 
 def fp32_dot_precision_override() -> str | None:

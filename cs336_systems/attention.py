@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import cs336_basics.model as basics_model
+from cs336_systems.kernels._triton_utils import missing_triton_message, triton_installed
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -71,9 +72,11 @@ def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool
 
 @functools.cache
 def _triton(backward: str) -> AttentionFn:
+    name = next(name for name, impl in TRITON_BACKWARDS.items() if impl == backward)
+    if not triton_installed():
+        raise ModuleNotFoundError(missing_triton_message(f"attention {name!r}"), name="triton")
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    name = next(name for name, impl in TRITON_BACKWARDS.items() if impl == backward)
     return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name)
 
 

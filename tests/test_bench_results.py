@@ -32,7 +32,7 @@ def test_frame_and_pivot_show_failed_cells(tmp_path):
     frame = rows_to_frame(store.rows)
     assert "size" in frame.columns
     table = pivot_table(frame, index=["size", "provider"])
-    assert list(table["time"]) == ["2", "oom"]
+    assert list(table["time ms"]) == ["2", "oom"] and table["mfu %"].iloc[0] == "40"  # headed with units
     md = format_table(table)
     assert md.splitlines()[0].replace(" ", "").startswith("|size|provider|") and "oom" in md
     assert "\\begin{tabular}" in format_table(table, "latex")

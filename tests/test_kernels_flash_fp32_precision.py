@@ -14,14 +14,21 @@ from tests._support import assert_within_budget, kernel_device, max_abs_error, r
 
 
 @pytest.fixture(autouse=True)
-def _unset_precision(monkeypatch):
-    monkeypatch.setattr(precision, "_override", None)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def _unset_precision():
+    """Each test starts with no precision set and allow_tf32 off, and leaves both as it found them. Set and
+    restored through the public setters: pytest's monkeypatch (9.2) undoes a setattr on torch's cuBLASModule with
+    delattr, which that module does not support."""
+    saved_precision, saved_tf32 = precision.fp32_dot_precision_override(), torch.backends.cuda.matmul.allow_tf32
+    precision.set_fp32_dot_precision(None)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    precision.set_fp32_dot_precision(saved_precision)
+    torch.backends.cuda.matmul.allow_tf32 = saved_tf32
 
 
-def test_fp32_follows_allow_tf32_until_a_precision_is_set(monkeypatch):
+def test_fp32_follows_allow_tf32_until_a_precision_is_set():
     assert precision.dot_precision(torch.float32) == "ieee"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    torch.backends.cuda.matmul.allow_tf32 = True
     assert precision.dot_precision(torch.float32) == "tf32"
     precision.set_fp32_dot_precision("tf32x3")
     assert precision.dot_precision(torch.float32) == "tf32x3"

@@ -89,18 +89,26 @@ SWEEPS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", choices=[*SWEEPS, "custom"], default="custom",
-                        help="a preset sweep (handout, flash, train) or custom (the options below)")
+                        help="a preset sweep: handout (pytorch_attention), flash (flash_benchmarking), train (the "
+                             "training shapes); or custom, the default: the shape options below")
     # Shape options override the sweep's values; without a sweep they default to batch 1, 3-D, seq 128,256, d 16,64.
-    parser.add_argument("--batch", type=positive_int("--batch"), default=None)
-    parser.add_argument("--heads", type=positive_int("--heads", 0), default=None, help="0: 3-D inputs")
-    parser.add_argument("--seq", type=list_of(positive_int("--seq"), name="--seq"), default=None)
-    parser.add_argument("--d", type=list_of(positive_int("--d"), name="--d"), default=None)
+    parser.add_argument("--batch", type=positive_int("--batch"), default=None,
+                        help="batch size (default: the sweep's; custom: 1)")
+    parser.add_argument("--heads", type=positive_int("--heads", 0), default=None,
+                        help="heads; 0 gives 3-D (batch, seq, d) inputs (default: the sweep's; custom: 0)")
+    parser.add_argument("--seq", type=list_of(positive_int("--seq"), name="--seq"), default=None,
+                        help="comma-separated sequence lengths, queries = keys (default: the sweep's; custom: 128,256)")
+    parser.add_argument("--d", type=list_of(positive_int("--d"), name="--d"), default=None,
+                        help="comma-separated head dimensions (default: the sweep's; custom: 16,64)")
     parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=None,
                         help="fp32, bf16, fp16 (default bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--causal", choices=["on", "off"], default="on")
+    parser.add_argument("--causal", choices=["on", "off"], default="on",
+                        help="causal masking of a custom run (default: on); the preset sweeps set their own "
+                             "(handout: off; flash, train: on)")
     parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=None,
                         help=f"comma-separated from: {', '.join(PROVIDERS)} (default: the sweep's)")
-    parser.add_argument("--pass", dest="passes", type=list_of(str, PASSES, "--pass"), default=list(PASSES))
+    parser.add_argument("--pass", dest="passes", type=list_of(str, PASSES, "--pass"), default=list(PASSES),
+                        help=f"comma-separated passes to time, from: {', '.join(PASSES)} (default: all three)")
     parser.add_argument("--precompile-workers", type=int, default=min(12, os.cpu_count() or 1),
                         help="processes that compile our kernels' autotune candidates before the first case "
                              "(CUDA; 0: the autotuner compiles them in the first case, one by one)")
@@ -318,8 +326,9 @@ def _print_table(store: ResultStore, args) -> None:
     times = frame[frame["metric"] == "time"].copy()
     times["cell"] = [f"{m:.3f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])]
     keys = ["batch", "heads", "seq", "d", "dtype", "causal", "pass"]
-    table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last").reset_index()
-    print("median ms per call")
+    table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last")
+    table = table.rename(columns=lambda provider: f"{provider} ms").reset_index()
+    print("median time per call (ms)")
     print(format_table(table, fmt))
     for ours in [p for p in OURS if p.startswith("triton") and p != "triton-compile-bwd"]:
         ratio = speedups(frame, ours)

@@ -29,7 +29,6 @@ import os
 
 import pandas as pd
 import torch
-import triton
 from tqdm import tqdm
 
 from cs336_systems.bench.common import DTYPES, add_common_arguments, error_message, free_memory, list_of
@@ -120,8 +119,8 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", type=list_of(parse_shape, name="--shape"), default=list_of(parse_shape)(
         DEFAULT_SHAPES), help=f"comma-separated BATCHxHEADSxSEQxD (default {DEFAULT_SHAPES})")
-    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    parser.add_argument("--causal", choices=["on", "off"], default="on")
+    parser.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="input dtype (default bf16)")
+    parser.add_argument("--causal", choices=["on", "off"], default="on", help="causal masking (default on)")
     parser.add_argument("--kernel", type=list_of(str, KERNELS, "--kernel"), default=list(KERNELS),
                         help=f"comma-separated from: {', '.join(KERNELS)}")
     parser.add_argument("--compile-workers", type=int, default=min(12, os.cpu_count() or 1),
@@ -284,6 +283,8 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
                           status="unsupported", message=error_message(error, 200))
             finally:
                 q = k = v = None
+    import triton  # (GPU only: this suite needs Triton, checked in `run`)
+
     from cs336_systems.kernels.flash_attention.function import chosen_configs
 
     shape_key = f"({triton.next_power_of_2(base['seq'])}, {triton.next_power_of_2(base['seq'])}, " \

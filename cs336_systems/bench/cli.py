@@ -17,6 +17,7 @@ from cs336_systems.bench import (
     parallel_suites,
     precision_suite,
 )
+from cs336_systems.kernels._triton_utils import missing_triton_message, triton_installed
 
 SUITES = {
     "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
@@ -47,10 +48,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def triton_options(args: argparse.Namespace) -> list[str]:
+    """The options of a parsed command line that run one of our Triton kernels (empty: Triton is not needed).
+    Checked before any work starts, so a machine without Triton gets one line, not a traceback mid-sweep."""
+    needs = []
+    if args.suite == "attention-tune":
+        needs.append("the attention-tune suite")
+    if args.suite == "attention":
+        providers = dict.fromkeys(case.provider for case in attention_suite.cases(args))
+        needs += [f"--provider {name}" for name in providers if name.startswith("triton")]
+    attention = getattr(args, "attention", None)
+    if isinstance(attention, str) and attention.startswith("triton"):
+        needs.append(f"--attention {attention}")
+    if getattr(args, "fused", None) in (True, "on"):
+        needs.append("--fused")
+    if getattr(args, "optimizer", None) == "fused":
+        needs.append("--optimizer fused")
+    return needs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, _ = SUITES[args.suite]  # args.suite names the results file too
-    return module.run(args)
+    needs = triton_options(args) if not triton_installed() else []
+    if needs:
+        print(f"cs336-bench {args.suite}: " + missing_triton_message(", ".join(needs)), file=sys.stderr)
+        return 2
+    try:
+        return module.run(args)
+    except ModuleNotFoundError as error:  # a Triton path the check above does not know of
+        if (error.name or "").partition(".")[0] != "triton":
+            raise
+        print(f"cs336-bench {args.suite}: " + missing_triton_message("this run"), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

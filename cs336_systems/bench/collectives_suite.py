@@ -25,7 +25,7 @@ from cs336_systems.bench.distributed_common import (
     slowest_rank_stats,
     timed,
 )
-from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.bench.results import ResultStore, format_table, metric_labels, rows_to_frame
 from cs336_systems.parallel import comm
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
@@ -34,11 +34,13 @@ BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--op", type=list_of(str, OPS, "--op"), default=list(OPS))
+    parser.add_argument("--op", type=list_of(str, OPS, "--op"), default=list(OPS),
+                        help=f"comma-separated collectives from: {', '.join(OPS)} (default: all)")
     parser.add_argument("--sizes-mb", type=list_of(float, name="--sizes-mb"), default=[1.0, 10.0, 100.0, 1000.0],
                         help="tensor sizes in MB (10^6 bytes), comma-separated (default 1,10,100,1000)")
-    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5)
-    parser.add_argument("--steps", type=positive_int("--steps"), default=10)
+    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5,
+                        help="untimed calls before timing (default 5)")
+    parser.add_argument("--steps", type=positive_int("--steps"), default=10, help="timed calls (default 10)")
     parser.add_argument("--plot", default=None, help="write time and bus-bandwidth plots of the results file here")
     add_launch_arguments(parser)
     add_common_arguments(parser)
@@ -100,7 +102,7 @@ def _rank_main(args) -> None:
         frame = rows_to_frame(store.rows)
         ok = frame[frame["status"] == "ok"]
         table = ok.pivot_table(index=["op", "size_mb", "world_size", "backend"], columns="metric",
-                               values="median", aggfunc="last").reset_index().round(3)
+                               values="median", aggfunc="last").rename(columns=metric_labels(ok)).reset_index().round(3)
         print(format_table(table, "latex" if args.latex else "markdown"))
         print(f"\nrows appended to {store.path}")
         if args.plot:

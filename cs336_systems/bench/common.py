@@ -75,7 +75,8 @@ def fraction(name: str):
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=parse_device, default=default_device(),
-                        help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
+                        help=f"cpu, cuda or cuda:N (default: cuda when a CUDA device is visible, else cpu; "
+                             f"here: {default_device()})")
     parser.add_argument("--results-dir", default="runs",
                         help="folder for the JSON-Lines result rows (default: runs/, git-ignored)")
     parser.add_argument("--latex", action="store_true", help="print the table as LaTeX instead of Markdown")

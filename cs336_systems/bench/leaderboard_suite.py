@@ -87,7 +87,8 @@ FIT_FRACTION = 0.95
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=preset_names(), default="leaderboard-8b")
+    parser.add_argument("--preset", choices=preset_names(), default="leaderboard-8b",
+                        help="model size (default leaderboard-8b; tiny for a CPU check)")
     parser.add_argument("--context", type=positive_int("--context"), default=None, help="default: the preset's")
     parser.add_argument("--batch", type=positive_int("--batch"), default=1, help="sequences per step (default 1)")
     parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=["ours", "baseline"],
@@ -116,8 +117,8 @@ def add_arguments(parser) -> None:
                         help="fused (our Triton AdamW; default on CUDA) or cs336 (cs336_basics AdamW)")
     parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
                         help="token chunk of the fused cross-entropy and of the baseline's chunked loss (default 4096)")
-    parser.add_argument("--warmup-ms", type=float, default=2000.0)
-    parser.add_argument("--rep-ms", type=float, default=6000.0)
+    parser.add_argument("--warmup-ms", type=float, default=2000.0, help="untimed steps for this long (default 2000)")
+    parser.add_argument("--rep-ms", type=float, default=6000.0, help="timed steps for this long (default 6000)")
     parser.add_argument("--verify", action="store_true", help="check loss and gradients against the plain step")
     parser.add_argument("--profile", action="store_true",
                         help="after timing, one more step of each provider under torch.profiler: kernel time per "

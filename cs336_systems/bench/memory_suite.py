@@ -33,9 +33,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("action", choices=["saved", "search"],
                         help="saved: saved-tensor accounting of one forward; search: single-level checkpointing "
                              "over group sizes k, measured peak and step time beside the memory model")
-    parser.add_argument("--preset", choices=preset_names(), default="tiny")
-    parser.add_argument("--context", type=positive_int("--context"), default=None)
-    parser.add_argument("--batch", type=positive_int("--batch"), default=4)
+    parser.add_argument("--preset", choices=preset_names(), default="tiny", help="model size (default tiny)")
+    parser.add_argument("--context", type=positive_int("--context"), default=None,
+                        help="context length (default: the preset's)")
+    parser.add_argument("--batch", type=positive_int("--batch"), default=4, help="sequences per step (default 4)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype (default fp32)")
     part = parser.add_mutually_exclusive_group()
     part.add_argument("--block", action="store_true", help="one TransformerBlock instead of the whole model")

@@ -369,7 +369,7 @@ def _print_table(store: ResultStore, args) -> None:
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]
     if not spread.empty:
-        spread = spread.rename(columns={"mean": "time mean", "std": "time std"}).round(3)
+        spread = spread.rename(columns={"mean": "time mean ms", "std": "time std ms"}).round(3)
         table = table.merge(spread, on=index, how="left")
     print(format_table(table, "latex" if args.latex else "markdown"))
     print(f"\nrows appended to {store.path}")

@@ -50,11 +50,12 @@ from cs336_systems.profiling.ranges import PhaseRanges
 
 
 def _add_model_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=preset_names(), default="tiny")
+    parser.add_argument("--preset", choices=preset_names(), default="tiny", help="model size (default tiny)")
     parser.add_argument("--context", type=positive_int("--context"), default=None, help="default: 128 (tiny: 64)")
     parser.add_argument("--batch", type=positive_int("--batch"), default=2, help="sequences per rank (default 2)")
-    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=3)
-    parser.add_argument("--steps", type=positive_int("--steps"), default=8)
+    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=3,
+                        help="untimed training steps before timing (default 3)")
+    parser.add_argument("--steps", type=positive_int("--steps"), default=8, help="timed training steps (default 8)")
     add_launch_arguments(parser)
     add_common_arguments(parser)
 
@@ -65,8 +66,10 @@ def add_ddp_arguments(parser) -> None:
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges: forward, backward, finish, optimizer")
     parser.add_argument("--variant", type=list_of(str, ("naive", "flat", "overlap", "bucketed", "torch-ddp"),
                                                   "--variant"),
-                        default=["naive", "flat", "overlap", "bucketed", "torch-ddp"])
-    parser.add_argument("--bucket-mb", type=list_of(float, name="--bucket-mb"), default=[1.0, 10.0, 100.0, 1000.0])
+                        default=["naive", "flat", "overlap", "bucketed", "torch-ddp"],
+                        help="comma-separated DDP variants (default: all; torch-ddp is PyTorch's, the baseline)")
+    parser.add_argument("--bucket-mb", type=list_of(float, name="--bucket-mb"), default=[1.0, 10.0, 100.0, 1000.0],
+                        help="comma-separated bucket sizes in MB for the bucketed variant (default 1,10,100,1000)")
     _add_model_arguments(parser)
 
 
@@ -76,9 +79,11 @@ def add_sharding_arguments(parser) -> None:
 
 def add_fsdp_arguments(parser) -> None:
     parser.add_argument("--compute-dtype", type=list_of(str, tuple(DTYPES), "--compute-dtype"),
-                        default=["fp32", "bf16"])
+                        default=["fp32", "bf16"], help="comma-separated compute dtypes (default fp32,bf16)")
     parser.add_argument("--provider", type=list_of(str, ("fsdp", "fsdp-layer", "ddp", "torch-fsdp2"), "--provider"),
-                        default=["fsdp", "ddp", "torch-fsdp2"])
+                        default=["fsdp", "ddp", "torch-fsdp2"],
+                        help="comma-separated from: fsdp, fsdp-layer, ddp, torch-fsdp2 (PyTorch's, the baseline); "
+                             "default fsdp,ddp,torch-fsdp2")
     _add_model_arguments(parser)
 
 

@@ -109,9 +109,18 @@ def rows_to_frame(rows: list[dict]) -> pd.DataFrame:
     return frame.drop(columns=clashing).rename(columns=lambda c: c.removeprefix("config."))
 
 
+def metric_labels(frame: pd.DataFrame) -> dict[str, str]:
+    """Each metric's column heading with its unit ("time" -> "time ms"), from the rows' `unit`."""
+    if "unit" not in frame.columns:
+        return {}
+    units = frame.dropna(subset=["unit"]).groupby("metric", sort=False)["unit"].first()
+    return {metric: f"{metric} {unit}" for metric, unit in units.items() if unit}
+
+
 def pivot_table(frame: pd.DataFrame, index: list[str], columns: str = "metric", value: str = "median"
                 ) -> pd.DataFrame:
-    """Wide table: one row per configuration, one column per metric; failed cells show their status."""
+    """Wide table: one row per configuration, one column per metric (headed with its unit); failed cells show
+    their status."""
     if frame.empty:
         return frame
     frame = frame.copy()
@@ -119,6 +128,8 @@ def pivot_table(frame: pd.DataFrame, index: list[str], columns: str = "metric", 
                      for v, s in zip(frame[value], frame["status"])]
     index = [c for c in index if c in frame.columns]
     table = frame.pivot_table(index=index, columns=columns, values="cell", aggfunc="last", sort=False)
+    if columns == "metric":
+        table = table.rename(columns=metric_labels(frame))
     return table.reset_index()
 
 

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
+
+# What to run where Triton is missing. CUDA builds of torch on Linux bring their matching Triton; the CPU
+# build does not, and the toolkit's base install does not ask for it (see README, "Set-up").
+TRITON_INSTALL = "pip install 'triton>=3.2'  (or: pip install -e '.[triton]')"
+
+
+def triton_installed() -> bool:
+    """Whether `import triton` would find a package (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def missing_triton_message(what: str) -> str:
+    """One line: `what` needs Triton, and how to install it."""
+    return f"{what} needs Triton, which is not installed here; install it with: {TRITON_INSTALL}"
 
 
 def interpreting() -> bool:

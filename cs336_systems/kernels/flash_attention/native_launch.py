@@ -13,7 +13,8 @@ The default launcher (`CS336_FLASH_NATIVE=0` or `use_native(False)` turns it off
 launcher="python")` per call). On the H200 it made a short call GPU-bound (notes/flash_attention.md, Versions 12
 and 13). A process's first backward through it once crashed where autograd's device thread had no CUDA
 context yet; `ensure_context` in the C++ binds the device's primary context there. The
-extension is compiled on first use (torch.utils.cpp_extension, about a minute; cached afterwards). Where it
+extension is compiled on first use (about 30 s on a 2-core machine) and cached by content, not by checkout
+(`kernels/native_build.py`: no lock that an interrupted build can leave behind). Where it
 cannot be built or a signature cannot be planned (aliased inputs, a parameter type the packer does not
 take), calls take the Python path, with one warning for a build failure.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cs336_systems.kernels import native_build
 from cs336_systems.kernels.flash_attention import launch_plan
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
@@ -72,13 +74,13 @@ def load_module():
     global _module, _build_failed
     if _module is not None or _build_failed:
         return _module
-    from torch.utils import cpp_extension
+    import triton
 
     source = Path(__file__).with_name("native_launch.cpp")
     try:
-        _module = cpp_extension.load(name="cs336_flash_native", sources=[str(source)],
-                                     extra_include_paths=[triton_cuda_include()], extra_cflags=["-O2"],
-                                     extra_ldflags=["-ldl"], verbose=False)
+        _module = native_build.load_extension("cs336_flash_native", [source], extra_cflags=["-O2"],
+                                              extra_ldflags=["-ldl"], extra_include_paths=[triton_cuda_include()],
+                                              key_parts=[f"triton {triton.__version__}"])
     except Exception as error:  # no compiler, no headers: the Python path still works
         _build_failed = True
         warnings.warn(f"cs336 native attention: the extension did not build ({type(error).__name__}: "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -118,6 +118,26 @@ run_stage() {
       python3 -m cs336_systems.bench attention --sweep flash --d "${FLASH_D:-32,64,128}" --dtype fp32 \
         --seq "${FLASH_SEQ:-2048,8192,32768}" --provider triton,triton-tf32x3,sdpa-efficient --rep-ms 40 \
         --no-progress --results-dir "$R" 2>&1 | tail -30
+      ;;
+    tests-native-build)
+      # Issue 36: the native launcher's build (kernels/native_build.py) from a cold cache and then warm, each in a
+      # fresh process beside a leftover cpp_extension lock (which used to hang it); then the launch-plan GPU tests and
+      # the build tests from a cold cache again, 8 workers asking for the build at once.
+      export CS336_EXTENSIONS_DIR=/tmp/cs336_extensions_cold TORCH_EXTENSIONS_DIR=/tmp/torch_extensions_stale
+      rm -rf "$CS336_EXTENSIONS_DIR"; mkdir -p "$TORCH_EXTENSIONS_DIR/cs336_flash_native"
+      touch "$TORCH_EXTENSIONS_DIR/cs336_flash_native/lock"
+      for cache in cold warm; do
+        timeout 300 python3 -c "import time; t = time.perf_counter(); import torch
+from cs336_systems.kernels.flash_attention import native_launch as n
+m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None else 'FAILED', f'{time.perf_counter() - t:.1f} s')" \
+          2>&1 | tee -a "$OUT/native_build.log"
+      done
+      rm -rf "$CS336_EXTENSIONS_DIR"
+      CS336_AUTOTUNE=0 timeout 400 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_launch_plan.py tests/test_kernels_native_build.py tests/test_setup.py 2>&1 \
+        | tee "$OUT/tests_native_build.log" | tail -15
+      ls -la "$CS336_EXTENSIONS_DIR" | tee -a "$OUT/native_build.log"
+      unset CS336_EXTENSIONS_DIR TORCH_EXTENSIONS_DIR
       ;;
     tests-launch-plan)
       # The launch-plan tests alone (Python and native replay, the fresh-process first backward, the random stream).

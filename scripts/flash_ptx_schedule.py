@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--causal", choices=("on", "off"), default="on")
     parser.add_argument("--tma", action="store_true", help="the tensor-descriptor variants")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90, Hopper)")
+    parser.add_argument("--ptx-dir", type=Path, default=None,
+                        help="also write each kernel's PTX here (KERNEL_BMxBN_wW_sS_dD_DTYPE.ptx): diff two dumps to "
+                             "check that a change leaves the compiled kernels as they were")
     args = parser.parse_args()
     if args.precision is not None and args.dtype != "fp32":
         parser.error(f"--precision: got {args.precision} with --dtype {args.dtype}; it applies to fp32 only")
@@ -201,6 +204,9 @@ def main() -> None:
                 print(f"{name:10} {bm}x{bn} w{warps} s{stages}: does not compile ({type(error).__name__})")
                 continue
             ptx = compiled.asm["ptx"]
+            if args.ptx_dir is not None:
+                args.ptx_dir.mkdir(parents=True, exist_ok=True)
+                (args.ptx_dir / f"{name}_{bm}x{bn}_w{warps}_s{stages}_d{args.d}_{args.dtype}.ptx").write_text(ptx)
             print(f"{name:10} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
                   f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
                   f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}, {registers_and_spills(ptx, args.arch)}; "

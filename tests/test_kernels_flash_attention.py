@@ -523,7 +523,8 @@ def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
 
 def test_gluon_passes_only_where_eligible():
     from cs336_systems.kernels.flash_attention.function import KernelLaunch, forward_launch, tma_eligible
-    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass, eligible
+    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
+    from cs336_systems.kernels.flash_attention.hopper_backward import eligible
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, flash_forward_ws_kernel
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
@@ -553,7 +554,8 @@ def test_gluon_passes_only_where_eligible():
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_backward_matches_reference(shape, causal, dtype):
     from cs336_systems.kernels.flash_attention import function, hopper_one_pass
-    from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, ONE_PASS_HEAD_DIMS, GluonPass
+    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
+    from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, ONE_PASS_HEAD_DIMS
 
     class GluonBoth(function.FlashAttentionTriton):  # both passes in Gluon, whatever the default
         @staticmethod
@@ -622,7 +624,7 @@ def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
     """backward="fused" on Hopper: a Gluon one-pass kernel adding dQ's shares into fp32 rows (the
     warp-specialised one at its head dims, else the lockstep dK/dV pass with a dQ split)."""
     from cs336_systems.kernels.flash_attention import function, hopper_one_pass
-    from cs336_systems.kernels.flash_attention.hopper_backward import GluonPass
+    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]

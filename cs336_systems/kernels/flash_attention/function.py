@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels._triton_utils import check_kernel_device
 from cs336_systems.kernels.flash_attention import (
+    gluon_common,
     hopper_backward,
     hopper_forward,
     hopper_one_pass,
@@ -325,7 +326,7 @@ def dq_accum_shape(q, accum: str) -> tuple[int, int]:
     """(rows, columns) per (batch, head) of the one-pass fp32 dQ accumulator: "gluon" (the Gluon one-pass
     kernels: whole 128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D)."""
     if accum == "gluon":
-        return hopper_backward.one_pass_rows(q.shape[-2]), q.shape[-1]
+        return gluon_common.one_pass_rows(q.shape[-2]), q.shape[-1]
     return q.shape[-2], max(16, triton.next_power_of_2(q.shape[-1]))
 
 

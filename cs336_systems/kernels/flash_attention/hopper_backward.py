@@ -28,15 +28,11 @@ makes P = 0) and n_queries != n_keys. `eligible` says which inputs qualify; the 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -48,9 +44,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.kernels._triton_utils import interpreting
-from cs336_systems.kernels.flash_attention.launch_plan import bound_values
+from cs336_systems.kernels.flash_attention.gluon_common import (
+    LOG2E,
+    GluonPass,
+    input_args,
+    one_pass_rows,
+    probabilities_t,
+    query_tile_of_program,
+    row_strides,
+    row_tiles,
+    tile_layout,
+    tma_reduce_add,
+)
 
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 HEAD_DIMS = (64, 128)
 
 # (BLOCK_M, BLOCK_N, warps, stages) per pass and head dim: 16 rows of the outer tile per warp (one
@@ -94,41 +100,6 @@ def eligible(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
 
 
-@triton.constexpr_function
-def _tile_layout(element_bits):
-    # Rows of 64 or 128 elements of 16 bits are >= 128 bytes: the widest swizzle.
-    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=element_bits, rank=2)
-
-
-@builtin
-def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """global[tile at coord] += shared src, by the copy engine (cp.reduce.async.bulk.tensor, Hopper). Triton
-    3.6 builds the op (create_async_tma_reduce) but Gluon does not expose it; as `tma.async_copy_shared_to_global`,
-    it is waited for with `tma.store_wait`."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@gluon.jit
-def _row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """A TMA descriptor over one (batch, head)'s (n_rows, HEAD_DIM) matrix, in BLOCK_ROWS-row tiles."""
-    return tma.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
-                                      block_shape=[BLOCK_ROWS, HEAD_DIM],
-                                      layout=_tile_layout(base.dtype.element_ty.primitive_bitwidth))
-
-
-@gluon.jit
-def query_tile_of_program(n_queries, n_heads, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """(first query row, batch x head, batch, head) of this program in a (query tiles, batch x heads) grid.
-    Causal: the longest rows first, so the grid's tail is short."""
-    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
-    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    return query_tile * BLOCK_M, batch_head, b, h
-
-
 @gluon.jit
 def _fill(bars, a_smem, b_smem, a_desc, b_desc, tile, slot, end_tile, BLOCK: gl.constexpr):
     """Start copying row tile `tile` of two matrices into ring slot `slot` (nothing past end_tile)."""
@@ -160,18 +131,6 @@ def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl
     lse = gl.load(lse_row + offs, mask=inside, other=float("inf"))
     delta = gl.load(delta_row + offs, mask=inside, other=0.0)
     return lse * LOG2E, delta
-
-
-@gluon.jit
-def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                    BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
-    """P^T of one (keys offs_n, query tile `tile`) block from S^T and L (log2 units): exp2 with the scale folded
-    in; MASKED and causal: zero where the query comes before the key."""
-    pT = gl.exp2(sT * qk_scale - lse2[None, :])
-    if MASKED and IS_CAUSAL:
-        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-    return pT
 
 
 @gluon.jit
@@ -236,7 +195,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
     """The one-pass step's last products: dK += dS^T Q, and dQ[tile] += sm_scale * dS K over this program's
     keys, reduced into fp32 rows that programs of other key tiles add to as well. dq_target is
     (fp32 rows of this head, their TMA descriptor, staging buffers): DQ_TMA = 1 stages the share in shared
-    memory (buffers first_buffer + part) and has the copy engine add it (`_tma_reduce_add`) while the next
+    memory (buffers first_buffer + part) and has the copy engine add it (`tma_reduce_add`) while the next
     steps run; 0 adds it from registers with relaxed atomics.
     dS^T goes through shared memory once and both products read it there (dQ's transposed). dQ's share is
     issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight."""
@@ -261,7 +220,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
         fence_async_shared()
         gl.thread_barrier()
         for part in gl.static_range(DQ_SPLIT):
-            _tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
+            tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
     else:
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
         # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
@@ -299,10 +258,10 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     b = (batch_head // n_heads).to(gl.int64)
     h = (batch_head % n_heads).to(gl.int64)
     n0 = gl.program_id(0) * BLOCK_N
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -313,7 +272,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     if DQ_SPLIT > 0:
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], _tile_layout(dtype.primitive_bitwidth))
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
         dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
         DQ_COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -386,8 +345,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    dk_desc = _row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
-    dv_desc = _row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
+    dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
     k_smem.store((dk * sm_scale).to(dtype))
     v_smem.store(dv.to(dtype))
     gl.thread_barrier()
@@ -450,10 +409,10 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -507,53 +466,12 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(slot))
     gl.thread_barrier()
-    dq_desc = _row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
+    dq_desc = row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
     q_smem.store((dq * sm_scale).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
     tma.async_copy_shared_to_global(dq_desc, [m0, 0], q_smem)
     tma.store_wait(pendings=0)
-
-
-@dataclass
-class GluonPass:
-    """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like
-    backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants): the backward
-    passes here and hopper_forward.py's forward."""
-
-    kernel: object
-    args: tuple
-    flags: dict
-    config: tuple[int, int, int, int]
-    grid: Callable[[int, int], tuple[int, int]]  # (BLOCK_M, BLOCK_N) -> grid
-
-    def __call__(self):
-        self.with_config(*self.config)()
-
-    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
-        def launch():
-            self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                     STAGES=num_stages, num_warps=num_warps)
-        return launch
-
-    def launch_for_plan(self):
-        """Launch with the default config; (compiled kernel, grid, every parameter's value) for `launch_plan`."""
-        block_m, block_n, num_warps, num_stages = self.config
-        params = dict(self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages)
-        grid = self.grid(block_m, block_n)
-        compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
-        return compiled, grid, bound_values(self.kernel, self.args, params)
-
-
-def _row_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)  # (batch, head, row); d is unit-stride (`eligible`)
-
-
-def _input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
-    """(row strides of Q, K, V, dO; sizes and scales) in the kernels' argument order."""
-    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(do4))
-    sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * 1.4426950408889634, sm_scale)
-    return strides, sizes
 
 
 def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float):
@@ -562,14 +480,14 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)"""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
+    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, None, *strides, *_row_strides(dk4), *_row_strides(dv4), *sizes, 0),
+                     (*common, dk4, dv4, None, *strides, *row_strides(dk4), *row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
-    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *_row_strides(dq4), *sizes),
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
@@ -583,11 +501,6 @@ def one_pass_eligible(q: torch.Tensor) -> bool:
     return eligible(q) and q.shape[-2] > 1
 
 
-def one_pass_rows(n_queries: int) -> int:
-    """Rows of the one-pass dQ accumulator per (batch, head): n_queries rounded up to whole 128-row tiles."""
-    return triton.cdiv(n_queries, 128) * 128
-
-
 def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, sm_scale: float) -> GluonPass:
     """The one-pass backward over `eligible` (batch, heads, seq, d) tensors: dK and dV written, dQ (scaled)
     added into dq_accum, zeroed fp32 (batch x heads, `one_pass_rows(n_queries)`, d); D must be written first."""
@@ -597,10 +510,10 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
         raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
                          f"fp32 buffer of shape {expected}")
-    strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
+    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),
-                      *_row_strides(dv4), *sizes, expected[1]),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
+                      *row_strides(dv4), *sizes, expected[1]),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

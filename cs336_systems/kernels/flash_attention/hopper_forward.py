@@ -35,15 +35,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_attention.hopper_backward import (
+from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
     GluonPass,
-    _row_strides,
-    _row_tiles,
     query_tile_of_program,
+    row_strides,
+    row_tiles,
 )
 
-MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * 1.4426950408889634)  # forward.py's -1e6, log2 units
+MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * LOG2E.value)  # forward.py's -1e6, log2 units
 
 # (BLOCK_M, BLOCK_N, warps, stages) and RESCALE_EARLY per head dim: 16 query rows per warp (a warpgroup per 64
 # rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; H200, bf16 causal,
@@ -193,9 +193,9 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -256,7 +256,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     # Q's buffer takes O on its way out (TMA clips rows past n_queries).
     l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
     gl.thread_barrier()
-    o_desc = _row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
+    o_desc = row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
     q_smem.store((acc / l_acc[:, None]).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
@@ -275,8 +275,8 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     batch, heads, n_queries, head_dim = q4.shape
     if warp_specialised is None:
         warp_specialised = head_dim in WARP_SPECIALISED_HEAD_DIMS
-    strides = (*_row_strides(q4), *_row_strides(k4), *_row_strides(v4), *_row_strides(o4))
-    args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * 1.4426950408889634)
+    strides = (*row_strides(q4), *row_strides(k4), *row_strides(v4), *row_strides(o4))
+    args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
@@ -402,10 +402,10 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
-    o_desc = _row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    o_desc = row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)

@@ -37,16 +37,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_attention.hopper_backward import (
+from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
     GluonPass,
-    _input_args,
-    _row_strides,
-    _row_tiles,
-    _tile_layout,
-    _tma_reduce_add,
+    input_args,
     one_pass_rows,
     probabilities_t,
+    row_strides,
+    row_tiles,
+    tile_layout,
+    tma_reduce_add,
 )
 
 HEAD_DIMS = (128,)
@@ -128,7 +128,7 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         stage.store(share * sm_scale)
         fence_async_shared()
         gl.thread_barrier()
-        _tma_reduce_add(dq_desc, [tile * BLOCK_M, half * COLUMNS], stage)
+        tma_reduce_add(dq_desc, [tile * BLOCK_M, half * COLUMNS], stage)
     return dk, dv
 
 
@@ -210,12 +210,12 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     b = (batch_head // n_heads).to(gl.int64)
     h = (batch_head % n_heads).to(gl.int64)
     n0 = gl.program_id(0) * BLOCK_N
-    q_desc = _row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = _row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = _row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = _row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
-    dk_desc = _row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER, HEAD_DIM)
-    dv_desc = _row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER, HEAD_DIM)
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER, HEAD_DIM)
+    dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER, HEAD_DIM)
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
@@ -229,7 +229,7 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], _tile_layout(dtype.primitive_bitwidth))
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
     dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HEAD_DIM // 2], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -271,9 +271,9 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
     if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
         raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
                          f"fp32 buffer of shape {expected}")
-    strides, sizes = _input_args(q4, k4, v4, do4, sm_scale)
+    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
     return GluonPass(flash_bwd_one_pass_ws_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *_row_strides(dk4),
-                      *_row_strides(dv4), *sizes, expected[1]),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
+                      *row_strides(dv4), *sizes, expected[1]),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

@@ -1,0 +1,117 @@
+"""What the Gluon (Hopper) attention kernels share: TMA tile descriptors, the program-to-tile map, P^T from S^T,
+the TMA reduce-add that Gluon does not expose, and `GluonPass`, the launch record of every Gluon kernel.
+
+The kernels themselves are in hopper_forward.py (the forward), hopper_backward.py (the two backward passes) and
+hopper_one_pass.py (the warp-specialised one-pass backward); each imports from here and from no other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+from cs336_systems.kernels.flash_attention.forward import LOG2E as _LOG2E_FLOAT
+from cs336_systems.kernels.flash_attention.launch_plan import bound_values
+
+LOG2E: gl.constexpr = gl.constexpr(_LOG2E_FLOAT)  # read inside the kernels, so a constexpr
+
+
+@triton.constexpr_function
+def tile_layout(element_bits):
+    # Rows of 64 or 128 elements of 16 bits are >= 128 bytes: the widest swizzle.
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=element_bits, rank=2)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[tile at coord] += shared src, by the copy engine (cp.reduce.async.bulk.tensor, Hopper). Triton
+    3.6 builds the op (create_async_tma_reduce) but Gluon does not expose it; as `tma.async_copy_shared_to_global`,
+    it is waited for with `tma.store_wait`."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """A TMA descriptor over one (batch, head)'s (n_rows, HEAD_DIM) matrix, in BLOCK_ROWS-row tiles."""
+    return tma.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                      block_shape=[BLOCK_ROWS, HEAD_DIM],
+                                      layout=tile_layout(base.dtype.element_ty.primitive_bitwidth))
+
+
+@gluon.jit
+def query_tile_of_program(n_queries, n_heads, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """(first query row, batch x head, batch, head) of this program in a (query tiles, batch x heads) grid.
+    Causal: the longest rows first, so the grid's tail is short."""
+    n_query_tiles = gl.cdiv(n_queries, BLOCK_M)
+    query_tile = n_query_tiles - 1 - gl.program_id(0) if IS_CAUSAL else gl.program_id(0)
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    return query_tile * BLOCK_M, batch_head, b, h
+
+
+@gluon.jit
+def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                    BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """P^T of one (keys offs_n, query tile `tile`) block from S^T and L (log2 units): exp2 with the scale folded
+    in; MASKED and causal: zero where the query comes before the key."""
+    pT = gl.exp2(sT * qk_scale - lse2[None, :])
+    if MASKED and IS_CAUSAL:
+        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    return pT
+
+
+@dataclass
+class GluonPass:
+    """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like
+    backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants): the backward
+    passes here and hopper_forward.py's forward."""
+
+    kernel: object
+    args: tuple
+    flags: dict
+    config: tuple[int, int, int, int]
+    grid: Callable[[int, int], tuple[int, int]]  # (BLOCK_M, BLOCK_N) -> grid
+
+    def __call__(self):
+        self.with_config(*self.config)()
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        def launch():
+            self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                     STAGES=num_stages, num_warps=num_warps)
+        return launch
+
+    def launch_for_plan(self):
+        """Launch with the default config; (compiled kernel, grid, every parameter's value) for `launch_plan`."""
+        block_m, block_n, num_warps, num_stages = self.config
+        params = dict(self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages)
+        grid = self.grid(block_m, block_n)
+        compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
+        return compiled, grid, bound_values(self.kernel, self.args, params)
+
+
+def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)  # (batch, head, row); d is unit-stride (`eligible`)
+
+
+def input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
+    """(row strides of Q, K, V, dO; sizes and scales) in the kernels' argument order."""
+    strides = (*row_strides(q4), *row_strides(k4), *row_strides(v4), *row_strides(do4))
+    sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * LOG2E.value, sm_scale)
+    return strides, sizes
+
+
+def one_pass_rows(n_queries: int) -> int:
+    """Rows of the one-pass dQ accumulator per (batch, head): n_queries rounded up to whole 128-row tiles."""
+    return triton.cdiv(n_queries, 128) * 128

@@ -25,12 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.flash_attention.function import (
-    FlashAttentionTriton,
-    flash_attention,
-    flash_backward,
-    flash_forward,
-)
+from cs336_systems.kernels.flash_attention.dispatch import flash_backward, flash_forward
+from cs336_systems.kernels.flash_attention.function import FlashAttentionTriton, flash_attention
 from cs336_systems.profiling.timing import kernel_time_ms
 
 

@@ -29,8 +29,8 @@ import math
 import pandas as pd
 import torch
 
+from cs336_systems.kernels.flash_attention.dispatch import BACKWARD_OPTIONS, flash_backward, flash_forward
 from cs336_systems.kernels.flash_attention.forward import LOG2E
-from cs336_systems.kernels.flash_attention.function import _BACKWARD_OPTIONS, flash_backward, flash_forward
 from cs336_systems.kernels.flash_attention.reference import causal_mask, naive_attention
 
 
@@ -80,7 +80,7 @@ def measure(seq: int, d: int, seed: int, device: str, backward: str) -> list[dic
     low_out = naive_attention(*low_in, True, upcast=False)
     low = torch.autograd.grad(low_out, low_in, grad_out)
     out, lse = flash_forward(q, k, v, True)
-    ours = flash_backward(q, k, v, out, lse, grad_out, True, **_BACKWARD_OPTIONS[backward])
+    ours = flash_backward(q, k, v, out, lse, grad_out, True, **BACKWARD_OPTIONS[backward])
     variants = {"torch-naive": low, "ours": ours,
                 "emulate-our-L": backward_from_lse(q, k, v, out, lse, grad_out, True),
                 "emulate-exact-L": backward_from_lse(q, k, v, out, exact_lse.float(), grad_out, True),

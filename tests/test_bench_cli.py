@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from cs336_systems.bench.cli import build_parser, main
-from cs336_systems.bench.results import load_rows
+from cs336_systems.results import load_rows
 
 FAST = ["--device", "cpu", "--warmup", "1", "--steps", "2", "--no-progress"]
 

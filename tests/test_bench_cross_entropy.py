@@ -5,7 +5,7 @@ import torch
 
 from cs336_systems.bench import cross_entropy_suite
 from cs336_systems.bench.cli import main
-from cs336_systems.bench.results import load_rows
+from cs336_systems.results import load_rows
 
 SMALL = ["cross-entropy", "--device", "cpu", "--tokens", "96", "--vocab", "300", "--d-model", "24",
          "--chunk-tokens", "40", "--warmup-ms", "1", "--rep-ms", "5", "--no-progress"]

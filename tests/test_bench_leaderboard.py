@@ -3,7 +3,7 @@
 import pytest
 
 from cs336_systems.bench.cli import main
-from cs336_systems.bench.results import load_rows
+from cs336_systems.results import load_rows
 
 TINY = ["leaderboard", "--preset", "tiny", "--context", "32", "--device", "cpu", "--warmup-ms", "1", "--rep-ms", "1"]
 

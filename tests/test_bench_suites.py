@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cs336_systems.bench.cli import build_parser, main
-from cs336_systems.bench.results import load_rows
+from cs336_systems.results import load_rows
 
 QUICK = ["--device", "cpu", "--warmup", "1", "--steps", "2"]
 
@@ -126,8 +126,8 @@ def test_attention_compiled_backward_also_resets_dynamo_per_case(tmp_path, monke
     real_reset = torch._dynamo.reset
     monkeypatch.setattr(torch._dynamo, "reset", lambda: (resets.append(1), real_reset()))
     monkeypatch.setattr(attention_suite, "_skip_reason", lambda case, device: None)
-    naive = attention_suite._attention_fn("naive", True)
-    monkeypatch.setattr(attention_suite, "_attention_fn", lambda provider, causal: naive)
+    naive = attention_suite.attention_fn("naive", True)
+    monkeypatch.setattr(attention_suite, "attention_fn", lambda provider, causal: naive)
     assert main(["attention", "--device", "cpu", "--seq", "16,24,32", "--d", "8", "--provider",
                  "triton-compile-bwd,naive", "--pass", "fwd-bwd", "--results-dir", str(tmp_path),
                  "--no-progress"]) == 0

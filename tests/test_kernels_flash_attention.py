@@ -318,7 +318,7 @@ def test_descriptor_allocator_is_installed_per_thread():
 
     from triton.runtime import _allocation
 
-    from cs336_systems.kernels.flash_attention.function import _descriptor_scratch, _install_descriptor_allocator
+    from cs336_systems.kernels.flash_attention.dispatch import _descriptor_scratch, _install_descriptor_allocator
 
     seen = []
 
@@ -337,7 +337,7 @@ def test_descriptor_allocator_is_installed_per_thread():
                                           ((1, 2, 70, 70, 20), True)])
 def test_forward_through_tensor_descriptors_matches(shape, causal):
     """The TMA forward (descriptor loads zero-fill rows past n and columns past d) computes the same O and L."""
-    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
 
     device = kernel_device()
     b, h, n, m, d = shape
@@ -353,7 +353,7 @@ def test_forward_through_tensor_descriptors_matches(shape, causal):
 
 
 def test_forward_takes_descriptors_by_default_only_on_hopper():
-    from cs336_systems.kernels.flash_attention.function import _has_tma, forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import _has_tma, forward_launch
 
     device = kernel_device()
     q, k, v = (t.detach() for t in _inputs(1, 2, 64, 64, 32, torch.bfloat16, device))
@@ -365,7 +365,7 @@ def test_forward_takes_descriptors_by_default_only_on_hopper():
 
 
 def test_tma_eligibility():
-    from cs336_systems.kernels.flash_attention.function import tma_eligible
+    from cs336_systems.kernels.flash_attention.dispatch import tma_eligible
 
     assert tma_eligible(torch.randn(2, 4, 64, 64, dtype=torch.bfloat16))
     assert not tma_eligible(torch.randn(2, 4, 64, 20, dtype=torch.bfloat16))  # 40-byte rows
@@ -376,7 +376,7 @@ def test_tma_eligibility():
 @pytest.mark.parametrize("shape,causal", [((1, 2, 40, 40, 16), True), ((2, 1, 33, 50, 32), False),
                                           ((1, 2, 70, 70, 20), True)])
 def test_backward_through_tensor_descriptors_matches(shape, causal):
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
     device = kernel_device()
     b, h, n, m, d = shape
@@ -512,7 +512,7 @@ def _head_views(count, batch, seq, heads, d, seed):
 
 def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
     """(dq, dk, dv) from the two backward passes `backward_launches(**options)` builds."""
-    from cs336_systems.kernels.flash_attention.function import backward_launches
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches
 
     preprocess, dkdv, dq_pass, finish = backward_launches(q, k, v, out, lse, do, causal, **options)
     preprocess()
@@ -522,7 +522,7 @@ def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
 
 
 def test_gluon_passes_only_where_eligible():
-    from cs336_systems.kernels.flash_attention.function import KernelLaunch, forward_launch, tma_eligible
+    from cs336_systems.kernels.flash_attention.dispatch import KernelLaunch, forward_launch, tma_eligible
     from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_backward import eligible
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, flash_forward_ws_kernel
@@ -553,7 +553,7 @@ def test_gluon_passes_only_where_eligible():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_backward_matches_reference(shape, causal, dtype):
-    from cs336_systems.kernels.flash_attention import function, hopper_one_pass
+    from cs336_systems.kernels.flash_attention import dispatch, function, hopper_one_pass
     from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, ONE_PASS_HEAD_DIMS
 
@@ -561,13 +561,13 @@ def test_gluon_backward_matches_reference(shape, causal, dtype):
         @staticmethod
         def backward(ctx, grad_out):
             lse, q, k, v, out = ctx.saved_tensors
-            return (*function.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=True), None)
+            return (*dispatch.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=True), None)
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
-    out, lse = function.flash_forward(*probe, causal)
+    out, lse = dispatch.flash_forward(*probe, causal)
     for gluon in (None, True):
-        _, dkdv, dq, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal, gluon=gluon)
+        _, dkdv, dq, _ = dispatch.backward_launches(*probe, out, lse, torch.empty_like(out), causal, gluon=gluon)
         if gluon is None and d in ONE_PASS_HEAD_DIMS:  # the default is the warp-specialised one-pass kernel there
             assert dkdv.kernel is hopper_one_pass.flash_bwd_one_pass_ws_kernel and dq is None
             continue
@@ -582,7 +582,7 @@ def test_gluon_backward_matches_reference(shape, causal, dtype):
 def test_gluon_backward_agrees_with_tl_passes_on_the_models_head_views(causal):
     """The model's head split (strided 4-D views of (batch, seq, heads x d)); both implementations within
     a few bf16 ulps of each other, and dK/dV/dQ in the inputs' layout."""
-    from cs336_systems.kernels.flash_attention.function import flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import flash_forward
 
     q, k, v, do = _head_views(4, 2, 700, 4, 128, seed=2)
     out, lse = flash_forward(q, k, v, causal)
@@ -600,7 +600,7 @@ def test_gluon_register_operand_variants_agree_with_tl_passes(d):
     attention-tune times: the same gradients as the `tl` passes (ragged length, causal, strided head views)."""
     import dataclasses
 
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
     q, k, v, do = _head_views(4, 2, 700, 3, d, seed=5)
     out, lse = flash_forward(q, k, v, True)
@@ -623,14 +623,14 @@ def test_gluon_register_operand_variants_agree_with_tl_passes(d):
 def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
     """backward="fused" on Hopper: a Gluon one-pass kernel adding dQ's shares into fp32 rows (the
     warp-specialised one at its head dims, else the lockstep dK/dV pass with a dQ split)."""
-    from cs336_systems.kernels.flash_attention import function, hopper_one_pass
+    from cs336_systems.kernels.flash_attention import dispatch, hopper_one_pass
     from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
-    out, lse = function.flash_forward(*probe, causal)
-    _, one_pass, dq_pass, _ = function.backward_launches(*probe, out, lse, torch.empty_like(out), causal, fused=True)
-    # One query row takes the tl one-pass kernel (function.backward_launches says why).
+    out, lse = dispatch.flash_forward(*probe, causal)
+    _, one_pass, dq_pass, _ = dispatch.backward_launches(*probe, out, lse, torch.empty_like(out), causal, fused=True)
+    # One query row takes the tl one-pass kernel (dispatch.backward_launches says why).
     assert isinstance(one_pass, GluonPass) == (n > 1) and dq_pass is None
     if n > 1 and d in hopper_one_pass.HEAD_DIMS:
         assert one_pass.kernel is hopper_one_pass.flash_bwd_one_pass_ws_kernel
@@ -649,7 +649,7 @@ def test_warp_specialised_one_pass_matches_reference(shape, causal, dtype):
     import triton
 
     from cs336_systems.bench.attention_tuning import GLUON_SPACE
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
 
     b, h, n, m, d = shape
@@ -682,7 +682,7 @@ def test_warp_specialised_one_pass_matches_reference(shape, causal, dtype):
 def test_warp_specialised_one_pass_agrees_with_two_passes_on_the_models_head_views():
     """The warp-specialised one-pass backward on strided head views with ragged lengths, causal and not: the
     two Gluon passes' gradients within a few bf16 ulps, in the inputs' layout."""
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
     q, k, v, do = _head_views(4, 2, 700, 3, 128, seed=8)
     for causal in (False, True):
@@ -730,7 +730,7 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
     import triton
 
     from cs336_systems.bench.attention_tuning import FUSED_GLUON_SPACE
-    from cs336_systems.kernels.flash_attention.function import backward_launches, flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
     q, k, v, do = _head_views(4, 2, 1000, 3, d, seed=3)
     out, lse = flash_forward(q, k, v, True)
@@ -763,7 +763,7 @@ def test_gluon_forward_matches_reference(shape, causal, dtype):
     """Both Gluon forwards (hopper_forward.py: in-warpgroup overlap, warp-specialised) against the fp64 reference:
     O within PyTorch's own low-precision error, L to fp32 rounding; and the whole default path (forward and
     gradients) on the same shapes."""
-    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
     from cs336_systems.kernels.flash_attention.hopper_forward import (
         GLUON_HEAD_DIMS,
         WARP_SPECIALISED_HEAD_DIMS,
@@ -800,7 +800,7 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
     import triton
 
     from cs336_systems.bench.attention_tuning import FORWARD_GLUON_SPACE
-    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
 
     q, k, v = _head_views(3, 2, 1000, 3, d, seed=4)
     checked = 0
@@ -830,7 +830,7 @@ def test_warp_specialised_forward_configs_match_reference(shape, causal):
     import triton
 
     from cs336_systems.bench.attention_tuning import GLUON_SPACE
-    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
 
     q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
@@ -853,7 +853,7 @@ def test_warp_specialised_forward_configs_match_reference(shape, causal):
 def test_warp_specialised_forward_on_the_models_head_views(d):
     """The warp-specialised forward (the default at d 128) on strided head views of (batch, seq, heads x d) with
     a ragged length, causal and not: O in q's layout and within budget, L to fp32 rounding."""
-    from cs336_systems.kernels.flash_attention.function import forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_ws_kernel
 
     q, k, v = _head_views(3, 2, 1000, 3, d, seed=5)

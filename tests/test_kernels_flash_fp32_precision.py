@@ -92,18 +92,18 @@ def test_a_calls_backward_runs_in_its_forwards_precision(monkeypatch):
     PRECISION, and the process setting is back as it was."""
     pytest.importorskip("triton")
     device = kernel_device()
-    from cs336_systems.kernels.flash_attention import function
+    from cs336_systems.kernels.flash_attention import dispatch
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
     seen = []
-    launch_shape = function._launch_shape
+    launch_shape = dispatch._launch_shape
 
     def recording(q, k):
         shape = launch_shape(q, k)
         seen.append(shape[2])
         return shape
 
-    monkeypatch.setattr(function, "_launch_shape", recording)
+    monkeypatch.setattr(dispatch, "_launch_shape", recording)
     q, k, v = _inputs((1, 2, 37, 53, 16), torch.float32, device)
     out = flash_attention(q, k, v, True, fp32_precision="tf32x3")
     forward_launches = len(seen)

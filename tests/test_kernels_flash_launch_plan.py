@@ -163,7 +163,7 @@ def test_plans_follow_the_models_head_views():
 
 @requires_cuda
 def test_self_attention_on_one_tensor_makes_no_plan_and_replays_correctly():
-    from cs336_systems.kernels.flash_attention.function import flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import flash_forward
 
     x, y, z = (torch.randn(1, 2, 190, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     launch_plan.clear_plans()
@@ -460,7 +460,7 @@ def test_native_first_backward_in_a_fresh_process(layout):
 def test_native_plans_stop_at_their_cap(monkeypatch):
     """Past MAX_NATIVE_PLANS no plan is made (nor the Python path run to make one): such calls take the Python
     path, whose plans are dropped oldest first."""
-    from cs336_systems.kernels.flash_attention import function, native_launch
+    from cs336_systems.kernels.flash_attention import dispatch, native_launch
 
     module = native_launch.load_module()
     if module is None:
@@ -470,7 +470,7 @@ def test_native_plans_stop_at_their_cap(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("make_plan ran the Python path past the cap")
 
-    monkeypatch.setattr(function, "flash_forward", must_not_run)
+    monkeypatch.setattr(dispatch, "flash_forward", must_not_run)
     x = torch.zeros(1, 1, 16, 16)
     assert native_launch.make_plan(x, x, x, True, "triton") is False
 

@@ -96,19 +96,19 @@ def _triton_grads(policy, counter, layers=3):
 def attention_forward_calls(monkeypatch):
     """Counts our attention's forward kernel launches (on the GPU, or under the interpreter on CPU)."""
     kernel_device()
-    from cs336_systems.kernels.flash_attention import function, native_launch
+    from cs336_systems.kernels.flash_attention import dispatch, native_launch
 
     # Counted in the Python launcher: a native plan's replay runs no Python to count. How native plans and
     # checkpointing meet is tested in test_kernels_flash_launch_plan.py.
     monkeypatch.setattr(native_launch, "_enabled", False)
     counter = [0]
-    real = function.flash_forward
+    real = dispatch.flash_forward
 
     def counted(*args, **kwargs):
         counter[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(function, "flash_forward", counted)
+    monkeypatch.setattr(dispatch, "flash_forward", counted)
     return counter
 
 

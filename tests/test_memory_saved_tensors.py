@@ -49,7 +49,7 @@ def test_block_accounting_scales_with_batch_and_excludes_parameters():
 
 def test_memory_saved_cli_rmsnorm_by_hand(tmp_path, capsys):
     from cs336_systems.bench.cli import main
-    from cs336_systems.bench.results import load_rows
+    from cs336_systems.results import load_rows
 
     main(["memory", "saved", "--preset", "tiny", "--context", "16", "--batch", "2", "--rmsnorm", "--device", "cpu",
           "--results-dir", str(tmp_path)])
@@ -63,7 +63,7 @@ def test_memory_saved_cli_rmsnorm_by_hand(tmp_path, capsys):
 def test_memory_search_cli_on_cpu(tmp_path, capsys):
     from cs336_systems.bench.cli import main
     from cs336_systems.bench.memory_suite import _candidate_group_sizes
-    from cs336_systems.bench.results import load_rows
+    from cs336_systems.results import load_rows
 
     assert _candidate_group_sizes(32) == [1, 2, 4, 5, 6, 7, 8, 16, 32]
     main(["memory", "search", "--preset", "tiny", "--context", "32", "--batch", "2", "--device", "cpu",

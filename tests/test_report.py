@@ -172,3 +172,29 @@ def test_attention_fp32_paragraph_compares_with_sdpa_efficient(tmp_path):
     text = _report_from(tmp_path, "attention", rows)
     assert "IEEE fp32 dots (FMA on CUDA cores, our default), d 64: fwd 0.25-0.50x, fwd-bwd 0.25-0.50x" in text
     assert 'tf32x3 dots (`fp32_precision="tf32x3"`), d 64: fwd 2.00-4.00x, fwd-bwd 2.00-4.00x' in text
+
+
+def test_a_bad_row_fails_naming_file_and_line_and_leaves_the_last_report(tmp_path, capsys):
+    rows = [_row("model", provider, "time", time, preset="small", context=512, batch=4, dtype="fp32", compile=False,
+                 attention="reference", mode="train-step") for provider, time in (("ours", 80.0), ("baseline", 40.0))]
+    before = _report_from(tmp_path, "model", rows)
+    figures = tmp_path / "docs" / "figures"
+    (figures / "kept.png").write_bytes(b"a figure of the last good build")
+    with open(tmp_path / "results" / "model.jsonl", "a") as f:
+        f.write('{"suite": "model", "provider": "ou\n')  # a row cut off mid-write (line 3)
+    assert main(["--results-dir", str(tmp_path / "results"), "--out", str(tmp_path / "docs")]) == 1
+    assert "model.jsonl:3: not a JSON row" in capsys.readouterr().err
+    assert (tmp_path / "docs" / "report.md").read_text() == before  # nothing was deleted or half-written
+    assert (figures / "kept.png").exists()
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["figures", "report.html", "report.md"]
+
+
+def test_out_pointing_at_a_file_is_refused(tmp_path, capsys):
+    import pytest
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "model.jsonl").write_text(json.dumps(_row("model", "ours", "time", 1.0)) + "\n")
+    (tmp_path / "docs").write_text("a file the user keeps")
+    with pytest.raises(SystemExit):
+        main(["--results-dir", str(tmp_path / "results"), "--out", str(tmp_path / "docs")])
+    assert "--out:" in capsys.readouterr().err and (tmp_path / "docs").read_text() == "a file the user keeps"

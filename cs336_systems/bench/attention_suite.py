@@ -41,9 +41,9 @@ from cs336_systems.bench.common import (
     list_of,
     positive_int,
 )
-from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
+from cs336_systems.results import ResultStore, format_table
 
 OURS = ("triton", "triton-native", "triton-python", "triton-tf32x3", "triton-two-pass-bwd", "triton-tl-bwd",
         "triton-fused-bwd", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
@@ -141,7 +141,7 @@ def cases(args) -> list[AttentionCase]:
             for (b, h, s, d), dtype, p in itertools.product(shapes, dtypes, providers)]
 
 
-def _attention_fn(provider: str, causal: bool):
+def attention_fn(provider: str, causal: bool):
     """provider -> f(q, k, v) for inputs (batch, [heads,] seq, d)."""
     backwards = TRITON_BACKWARDS | {"triton-tl-bwd": "tl"}  # (tl: a comparison only, not a model attention)
     launchers = {"triton-native": "native", "triton-python": "python"}  # the default backward, by launcher
@@ -216,7 +216,7 @@ def run(args) -> int:
         _run_case(case, args, store)
     _print_table(store, args)
     if args.plot:
-        from cs336_systems.report.plots import plot_attention_tflops
+        from cs336_systems.plots import plot_attention_tflops
 
         plot_attention_tflops(store.frame(), Path(args.plot))
         print(f"plot: {args.plot}")
@@ -238,7 +238,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
     if case.provider in COMPILED_PROVIDERS:
         torch._dynamo.reset()
     aot_compiled = case.provider == "naive-compiled"  # (AOTAutograd: donated buffers, below)
-    fn = _attention_fn(case.provider, case.causal)
+    fn = attention_fn(case.provider, case.causal)
     for p in args.passes:
         try:
             torch.manual_seed(0)
@@ -248,7 +248,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             # Donated buffers forbid the retained-graph backward the `bwd` pass times; AOTAutograd compiles
             # the backward lazily, at the first backward call, so the switch covers the whole measurement.
             with torch._functorch.config.patch(donated_buffer=False) if aot_compiled else contextlib.nullcontext():
-                timing, memory, kernel_ms = _measure(p, fn, q, k, v, grad_out, args)
+                timing, memory, kernel_ms = measure_pass(p, fn, q, k, v, grad_out, args)
             row = config | {"pass": p}
             store.add(provider=case.provider, config=row, metric="time", unit="ms", stats=timing.stats())
             store.add(provider=case.provider, config=row, metric="tflops", unit="TFLOP/s",
@@ -266,7 +266,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             free_memory(device)
 
 
-def _measure(p: str, fn, q, k, v, grad_out, args):
+def measure_pass(p: str, fn, q, k, v, grad_out, args):
     device = q.device
     memory = {}
     handout = getattr(args, "sweep", None) == "handout"

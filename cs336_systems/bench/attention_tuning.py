@@ -32,10 +32,10 @@ import torch
 from tqdm import tqdm
 
 from cs336_systems.bench.common import DTYPES, add_common_arguments, error_message, free_memory, list_of
-from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
+from cs336_systems.results import ResultStore, format_table
 
 KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
            "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = True):
     """Random q, k, v, dO and the forward's O, L (the backward kernels read them). Compile-only
     workers take random O and L instead: running the forward would autotune it in every worker."""
-    from cs336_systems.kernels.flash_attention.function import flash_forward
+    from cs336_systems.kernels.flash_attention.dispatch import flash_forward
 
     torch.manual_seed(0)
     q, k, v, grad_out = (torch.randn(*shape, device=device, dtype=DTYPES[dtype_name]) for _ in range(4))
@@ -149,7 +149,7 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
-    from cs336_systems.kernels.flash_attention.function import backward_launches, forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
@@ -226,7 +226,7 @@ def run(args) -> int:
     if args.device.type != "cuda" and not interpreting():
         raise SystemExit("attention-tune: the kernels are timed on a CUDA device; got --device "
                          f"{args.device} (run the tests under TRITON_INTERPRET=1 for CPU checks)")
-    from cs336_systems.bench.attention_suite import _attention_fn, _measure
+    from cs336_systems.bench.attention_suite import attention_fn, measure_pass
 
     causal = args.causal == "on"
     store = ResultStore("attention-tune", args.device, args.results_dir)
@@ -260,7 +260,7 @@ def run(args) -> int:
             store.add(provider="triton", config=row, metric="tflops", unit="TFLOP/s",
                       value=flops_fwd * KERNEL_FLOP_FACTOR[kernel] / (timing.median / 1e3) / 1e12)
         launches = None
-        _time_whole_passes(shape, base, args, store, _attention_fn, _measure)
+        _time_whole_passes(shape, base, args, store, attention_fn, measure_pass)
     _print_summary(store.frame(), args)
     print(f"\nrows appended to {store.path}")
     return 0
@@ -285,7 +285,7 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
                 q = k = v = None
     import triton  # (GPU only: this suite needs Triton, checked in `run`)
 
-    from cs336_systems.kernels.flash_attention.function import chosen_configs
+    from cs336_systems.kernels.flash_attention.dispatch import chosen_configs
 
     shape_key = f"({triton.next_power_of_2(base['seq'])}, {triton.next_power_of_2(base['seq'])}, " \
                 f"{max(16, triton.next_power_of_2(base['d']))},"

@@ -25,8 +25,8 @@ from cs336_systems.bench.distributed_common import (
     slowest_rank_stats,
     timed,
 )
-from cs336_systems.bench.results import ResultStore, format_table, metric_labels, rows_to_frame
 from cs336_systems.parallel import comm
+from cs336_systems.results import ResultStore, format_table, metric_labels, rows_to_frame
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
@@ -108,8 +108,8 @@ def _rank_main(args) -> None:
         if args.plot:
             from pathlib import Path
 
-            from cs336_systems.bench.results import load_rows
-            from cs336_systems.report.plots import plot_collectives
+            from cs336_systems.plots import plot_collectives
+            from cs336_systems.results import load_rows
 
             plot_collectives(rows_to_frame(load_rows(store.path)), Path(args.plot))  # every run in the file
             print(f"plot: {args.plot}")

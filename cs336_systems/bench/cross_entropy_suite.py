@@ -41,9 +41,9 @@ from cs336_systems.bench.common import (
     list_of,
     positive_int,
 )
-from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.profiling.timing import bench_kernel
+from cs336_systems.results import ResultStore, format_table
 
 PROVIDERS = ("fused", "plain", "chunked")
 # The leaderboard's loss: one 32k sequence, Qwen-sized vocab, d_model 4096 (CUDA default); a CPU-sized one.

@@ -60,7 +60,6 @@ from cs336_systems.bench.common import (
     positive_int,
 )
 from cs336_systems.bench.distributed_common import add_launch_arguments, launch, local_device
-from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.memory.checkpointing import (
@@ -78,6 +77,7 @@ from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges
 from cs336_systems.profiling.timing import bench_kernel, time_fn
+from cs336_systems.results import ResultStore, format_table
 
 PROVIDERS = ("ours", "baseline")
 PHASES = ("forward", "loss", "backward", "sync", "optimizer")  # the step's named ranges, in order

@@ -23,10 +23,10 @@ from cs336_systems.bench.common import (
     is_oom,
     positive_int,
 )
-from cs336_systems.bench.results import ResultStore, format_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.checkpointing import parse_policy
 from cs336_systems.memory.saved_tensors import SavedTensorLog
+from cs336_systems.results import ResultStore, format_table
 
 
 def add_arguments(parser) -> None:

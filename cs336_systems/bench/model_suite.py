@@ -35,12 +35,12 @@ from cs336_systems.bench.common import (
     list_of,
     positive_int,
 )
-from cs336_systems.bench.results import ResultStore, format_table, pivot_table
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.checkpointing import apply_checkpointing, parse_policy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 from cs336_systems.profiling.timing import time_fn
+from cs336_systems.results import ResultStore, format_table, pivot_table
 
 MODES = ("forward", "forward-backward", "train-step")
 PROVIDERS = ("ours", "baseline")

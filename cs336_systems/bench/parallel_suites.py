@@ -39,7 +39,6 @@ from cs336_systems.bench.distributed_common import (
     synchronize,
     timed,
 )
-from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.saved_tensors import SavedTensorLog
 from cs336_systems.parallel import comm
@@ -47,6 +46,7 @@ from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.parallel.fsdp import FSDP
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 from cs336_systems.profiling.ranges import PhaseRanges
+from cs336_systems.results import ResultStore, format_table, rows_to_frame
 
 
 def _add_model_arguments(parser) -> None:

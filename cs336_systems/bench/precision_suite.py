@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from cs336_systems.bench.common import DTYPES, add_common_arguments
-from cs336_systems.bench.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.results import ResultStore, format_table, rows_to_frame
 
 
 class ToyModel(nn.Module):

@@ -13,7 +13,10 @@ filled in. No GPU is needed: nothing is measured here.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -47,13 +50,28 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.results_dir.is_dir() or not list(args.results_dir.glob("*.jsonl")):
         parser.error(f"--results-dir: {args.results_dir} has no *.jsonl result files")
-    figures = args.out / "figures"
-    if figures.exists():
-        shutil.rmtree(figures)
-    figures.mkdir(parents=True)
-    doc = build(args.results_dir, args.out)
-    (args.out / "report.md").write_text(doc.markdown())
-    (args.out / "report.html").write_text(doc.html())
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out: {args.out} is a file; give a folder")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Built in a folder of its own beside the output and moved into place only once it is whole: a bad row or
+    # any other failure leaves the previous report and figures as they were.
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=args.out))
+    try:
+        try:
+            doc = build(args.results_dir, staging)
+        except ValueError as error:  # a bad row: load_rows names the file and line
+            print(f"cs336-report: {error}", file=sys.stderr)
+            return 1
+        (staging / "report.md").write_text(doc.markdown())
+        (staging / "report.html").write_text(doc.html())
+        figures, old = args.out / "figures", staging / "figures.old"
+        if figures.exists():
+            figures.rename(old)
+        (staging / "figures").rename(figures)
+        for name in ("report.md", "report.html"):
+            os.replace(staging / name, args.out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     print(f"wrote {args.out / 'report.md'}, {args.out / 'report.html'} and {len(list(figures.iterdir()))} figures")
     return 0
 

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems.analysis import collectives, ddp_overhead, memory, parallelism
-from cs336_systems.bench.results import load_rows, rows_to_frame
 from cs336_systems.report.document import Code, Document, Figure, Heading, Paragraph, Table
+from cs336_systems.results import load_rows, rows_to_frame
 
 
 @dataclass
@@ -336,7 +336,7 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
     """flash_benchmarking: batch 1, one head, causal, seq 128..65536 x d 16..128 x {bf16, fp32}, every
     implementation; the latest row per case across runs (each head dim ran in its own device call)."""
     from cs336_systems.bench.attention_suite import SWEEPS
-    from cs336_systems.report.plots import plot_attention_tflops
+    from cs336_systems.plots import plot_attention_tflops
 
     sweep_rows = latest(att[(att["batch"] == 1) & (att["heads"] == 1)],
                         ["provider", "seq", "d", "dtype", "pass", "metric"])

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.kernels import native_build
-from cs336_systems.kernels.flash_attention import launch_plan
+from cs336_systems.kernels.flash_attention import dispatch, launch_plan
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
 SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")
@@ -39,7 +39,7 @@ ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u3
 _INTEGER_KINDS = {"i1": "i1", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64", "u1": "u8", "u8": "u8",
                   "u16": "u16", "u32": "u32", "u64": "u64"}
 _REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
-# backward name -> the code plans are registered under (function._BACKWARD_OPTIONS' names)
+# backward name -> the code plans are registered under (dispatch.BACKWARD_OPTIONS' names)
 BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
@@ -146,21 +146,19 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
 def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str) -> bool:
     """Run the Python launch path once on inputs like these (its plans capture the launches) and register the
     result natively. False where it cannot be planned."""
-    from cs336_systems.kernels.flash_attention import function
-
     module = load_module()
     if module is None or module.plan_count() >= MAX_NATIVE_PLANS:
         return False
-    options = function._BACKWARD_OPTIONS[backward]
+    options = dispatch.BACKWARD_OPTIONS[backward]
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
-        out, lse = function.flash_forward(q, k, v, is_causal)  # each makes its Python plan, or finds it
+        out, lse = dispatch.flash_forward(q, k, v, is_causal)  # each makes its Python plan, or finds it
         # In O's layout, as the C++ backward hands its plan one. Zeros, not random: making a plan must leave the
         # caller's random stream alone (a test's next torch.randn would otherwise differ with the launcher).
         grad_out = torch.zeros_like(out)
-        function.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
-        forward = launch_plan.lookup(function.forward_plan_key(q, k, v, is_causal))
-        backward_plan = launch_plan.lookup(function.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,
+        dispatch.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
+        forward = launch_plan.lookup(dispatch.forward_plan_key(q, k, v, is_causal))
+        backward_plan = launch_plan.lookup(dispatch.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,
                                                                       **options))
     if forward is None or backward_plan is None:
         return False
@@ -168,8 +166,8 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     if any(spec is None for spec in (*specs[0], *specs[1])):
         return False
     accum = backward_plan.accum
-    rows, cols = function.dq_accum_shape(q, accum) if accum is not None else (0, 0)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `function._backward_result` applies it
+    rows, cols = dispatch.dq_accum_shape(q, accum) if accum is not None else (0, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `dispatch._backward_result` applies it
     module.register_plan(q, k, v, bool(is_causal), BACKWARD_CODES[backward], specs[0], specs[1],
                          ACCUM_CODES[accum], scale, rows, cols)
     return True
@@ -190,9 +188,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     key = (bool(is_causal), backward, launch_plan.tensor_signature(q, k, v))
     if key in _refused:
         return None
-    from cs336_systems.kernels.flash_attention.function import validate_attention_inputs
-
-    validate_attention_inputs(q, k, v)  # a plan skips validation from then on: its signature passed it
+    dispatch.validate_attention_inputs(q, k, v)  # a plan skips validation from then on: its signature passed it
     if not make_plan(q, k, v, is_causal, backward):
         _refused.add(key)
         return None

@@ -86,8 +86,10 @@ class ResultStore:
                    status=status, message=message, **self._env,
                    timestamp=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), run_id=self.run_id)
         self.results_dir.mkdir(parents=True, exist_ok=True)
+        # A file cut off mid-row would glue this row onto the broken one: start a line of its own.
+        lead = "" if _ends_with_newline(self.path) else "\n"
         with open(self.path, "a") as f:
-            f.write(json.dumps(row, default=str) + "\n")
+            f.write(lead + json.dumps(row, default=str) + "\n")
         self.rows.append(row)
         return row
 
@@ -96,8 +98,28 @@ class ResultStore:
 
 
 def load_rows(path: str | Path) -> list[dict]:
+    """Every row of a JSON-Lines file; a row that is not JSON is an error naming the file and line."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not a JSON row ({error.msg} at column {error.colno}); "
+                                 "fix or delete that line") from None
+    return rows
+
+
+def _ends_with_newline(path: Path) -> bool:
+    """False for a non-empty file whose last byte is not a newline (an interrupted write leaves one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) == b"\n"
+    except OSError:  # missing or empty
+        return True
 
 
 def rows_to_frame(rows: list[dict]) -> pd.DataFrame:

@@ -2,7 +2,9 @@
 
 import json
 
-from cs336_systems.bench.results import ResultStore, format_table, load_rows, pivot_table, rows_to_frame
+import pytest
+
+from cs336_systems.results import ResultStore, format_table, load_rows, pivot_table, rows_to_frame
 
 REQUIRED = {"suite", "provider", "config", "metric", "unit", "median", "mean", "std", "min", "max", "n", "warmup",
             "status", "device", "device_name", "torch", "triton", "python", "git_commit", "timestamp", "run_id"}
@@ -36,3 +38,15 @@ def test_frame_and_pivot_show_failed_cells(tmp_path):
     md = format_table(table)
     assert md.splitlines()[0].replace(" ", "").startswith("|size|provider|") and "oom" in md
     assert "\\begin{tabular}" in format_table(table, "latex")
+
+
+def test_a_row_after_an_interrupted_write_starts_its_own_line(tmp_path):
+    store = ResultStore("demo", "cpu", tmp_path)
+    store.add(provider="ours", config={"size": 1}, metric="time", unit="ms", value=1.0)
+    text = store.path.read_text()
+    store.path.write_text(text + text[: len(text) // 2])  # a second row cut off mid-write, no newline
+    store.add(provider="ours", config={"size": 2}, metric="time", unit="ms", value=2.0)
+    lines = store.path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["config"] == {"size": 2}  # intact, not glued on
+    with pytest.raises(ValueError, match=r"demo.jsonl:2: not a JSON row .*fix or delete that line"):
+        load_rows(store.path)

@@ -1,0 +1,441 @@
+"""What runs for one attention call: inputs checked, kernels chosen, buffers allocated, launches made.
+
+Inputs are 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), any strides (the model's
+head-split views are read in place), fp16 / bf16 / fp32, head dim 1..256 (padded in
+registers to the next power of two, at least 16; fp32 up to 128), any sequence lengths,
+n_queries != n_keys allowed. fp32 dots are IEEE fp32 by default, as torch's own matmuls; "tf32x3" (near-fp32
+accuracy on tensor cores) and "tf32" are chosen as `precision.py` says.
+
+L (the row log-sum-exp) is computed and kept in fp32 whatever the input dtype: rounding
+it to bf16 would put errors of several percent into the recomputed P.
+
+`forward_launch` / `backward_launches` decide, per call, which kernels run and with what
+arguments; `flash_forward` / `flash_backward` run them, and replay a launch plan
+(`launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The autograd Function and
+the public `flash_attention` are in function.py; the C++ replay of the same plans in native_launch.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels.flash_attention import (
+    gluon_common,
+    hopper_backward,
+    hopper_forward,
+    hopper_one_pass,
+    launch_plan,
+)
+from cs336_systems.kernels.flash_attention.backward import (
+    flash_bwd_fused_kernel,
+    flash_dkdv_kernel,
+    flash_dq_kernel,
+    flash_preprocess_kernel,
+)
+from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
+from cs336_systems.kernels.flash_attention.precision import (
+    dot_precision,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
+# `flash_backward`'s options per backward of `flash_attention` ("compile" is the torch.compile'd PyTorch one).
+BACKWARD_OPTIONS = {"triton": {}, "two-pass": dict(fused=False), "tl": dict(fused=False, gluon=False),
+                     "fused": dict(fused=True)}
+BACKWARD_IMPLS = (*BACKWARD_OPTIONS, "compile")
+
+
+def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise a clear error, before any allocation, for inputs the kernel does not take."""
+    if q.dim() not in (3, 4):
+        raise ValueError(f"flash attention: q must be 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), "
+                         f"got shape {tuple(q.shape)}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"flash attention: q, k, v must have the same number of dims, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"flash attention: batch/head dims must match and k, v must have the same length, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"flash attention: q, k, v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, "
+                         f"{v.shape[-1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"flash attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash attention: dtype {q.dtype} is not supported; allowed: float16, bfloat16, float32")
+    if q.shape[-1] > MAX_HEAD_DIM[q.dtype]:
+        raise ValueError(f"flash attention: head dim {q.shape[-1]} is too large for {q.dtype}; "
+                         f"at most {MAX_HEAD_DIM[q.dtype]}")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError("flash attention: sequences must be non-empty")
+    check_kernel_device("flash attention", q, k, v)
+
+
+def _as_4d(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 4 else x.unsqueeze(1)  # (batch, 1, seq, d): a view, heads stride unused
+
+
+def _launch_shape(q: torch.Tensor, k: torch.Tensor):
+    head_dim = q.shape[-1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = dot_precision(q.dtype)
+    buckets = (triton.next_power_of_2(q.shape[-2]), triton.next_power_of_2(k.shape[-2]))
+    return block_d, block_d == head_dim, precision, buckets
+
+
+@dataclass
+class KernelLaunch:
+    """One kernel's arguments, compile-time flags and grid (a function of the chosen tile sizes).
+
+    `flash_forward` / `flash_backward` launch these through the autotuned kernels; the tuning
+    suite (`cs336-bench attention-tune`) launches the same arguments with explicit configs.
+    """
+
+    kernel: object  # a triton Autotuner; `.fn` is the bare JITFunction
+    args: tuple
+    flags: dict
+    grid: object  # meta -> grid tuple
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.flags)
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        """The bare kernel launched with one explicit config (no autotuning)."""
+        def launch():
+            self.kernel.fn[self.grid](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      num_warps=num_warps, num_stages=num_stages)
+        return launch
+
+    def launch_for_plan(self):
+        """Launch through the autotuner (which tunes on a key's first call); (compiled kernel, grid, every
+        parameter's value) for `launch_plan`."""
+        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
+        params = {**self.flags, **self.kernel.best_config.all_kwargs()}
+        return compiled, self.grid(params), launch_plan.bound_values(self.kernel.fn, self.args, params)
+
+
+@dataclass
+class FixedLaunch:
+    """A bare kernel on a fixed grid (the backward's D preprocess)."""
+
+    kernel: object  # a JITFunction
+    args: tuple
+    flags: dict
+    grid: tuple
+
+    def __call__(self):
+        self.kernel[self.grid](*self.args, **self.flags)
+
+    def launch_for_plan(self):
+        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
+        return compiled, self.grid, launch_plan.bound_values(self.kernel, self.args, self.flags)
+
+
+def tma_eligible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors (the copy engine) need unit stride along d and 16-byte aligned bases and row,
+    batch and head strides; any 4-D view of ours that meets that qualifies."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
+            return False
+    return True
+
+
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                   use_tma: bool | None = None, gluon: bool | None = None, warp_specialised: bool | None = None):
+    """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
+
+    use_tma: load Q/K/V and store O through tensor descriptors (the copy engine) where the inputs
+    qualify (`tma_eligible`). None (default): on Hopper and later, where `cs336-bench attention-tune`
+    measured it faster (H200, bf16 causal: 16.2 against 17.7 ms at 1x32x32768x128, 10.7 against 10.9 ms
+    at 4x32x16384x64; results/attention-tune.jsonl).
+    gluon: the Gluon forward (hopper_forward.py: the softmax overlapping the previous tile's P V product)
+    where the inputs qualify (`hopper_backward.eligible` and TMA strides). None (default): where
+    `hopper_forward.GLUON_HEAD_DIMS` says it measured faster; False: never (use_tma=False implies it).
+    warp_specialised: which Gluon forward (`hopper_forward.forward_pass`); None: as measured fastest."""
+    if use_tma is None:
+        use_tma = _has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    out, lse = _forward_buffers(q)
+    o4 = _as_4d(out)
+    if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
+            and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
+        _install_descriptor_allocator(q.device)
+        launch = hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim),
+                                             warp_specialised)
+        return launch, out, lse
+    block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
+    qk_scale = LOG2E / math.sqrt(head_dim)
+    args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+            heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
+    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    if use_tma and tma_eligible(q4, k4, v4, o4):
+        _install_descriptor_allocator(q.device)
+        flags["USE_TMA"] = True
+    launch = KernelLaunch(flash_forward_kernel, args, flags,
+                          lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    return launch, out, lse
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """Returns O (like q) and L (fp32, q.shape[:-1]); bad inputs raise `validate_attention_inputs`' errors.
+    Repeat calls of one input signature replay a launch plan (`launch_plan`) instead of `forward_launch`."""
+    planned = launch_plan.plans_enabled() and q.device.type == "cuda"
+    if planned:
+        key = forward_plan_key(q, k, v, is_causal)
+        plan = launch_plan.lookup(key)
+        if plan is not None:  # (its signature passed validation when the plan was made)
+            return plan(q, k, v)
+    validate_attention_inputs(q, k, v)
+    launch, out, lse = forward_launch(q, k, v, is_causal)
+    if not planned:
+        launch()
+        return out, lse
+    captured = launch_plan.capture(*launch.launch_for_plan(), dict(q=q, k=k, v=v, out=out, lse=lse))
+    if captured is not None:
+        launch_plan.store(key, _ForwardPlan(captured))
+    return out, lse
+
+
+def _forward_buffers(q) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and L as the forward writes them."""
+    # O in q's layout: for the model's head view of (batch, seq, heads, d), merging the heads back afterwards is
+    # a view, not a copy.
+    return torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+
+
+def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
+    return "forward", bool(is_causal), dot_precision(q.dtype), launch_plan.tensor_signature(q, k, v)
+
+
+def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
+                      gluon: bool | None = None) -> tuple:
+    return ("backward", bool(is_causal), fused, gluon, dot_precision(q.dtype),
+            launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
+
+
+@dataclass
+class _ForwardPlan:
+    """A forward replayed: O and L allocated as `forward_launch` allocates them, then its one kernel."""
+
+    launch: launch_plan.CapturedLaunch
+
+    def __call__(self, q, k, v):
+        out, lse = _forward_buffers(q)
+        _install_descriptor_allocator(q.device)
+        self.launch(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr()))
+        return out, lse
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or later: the copy engine behind tensor descriptors."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _dq_reduce_mode(device: torch.device) -> int:
+    """2: TMA descriptor reduce-add (Hopper and later); 1: pointer atomics (older GPUs, the interpreter)."""
+    if _has_tma(device):
+        _install_descriptor_allocator(device)
+        return 2
+    return 1
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _interpreter_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8)
+
+
+def _install_descriptor_allocator(device: torch.device | str = "cuda"):
+    """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it.
+    Triton keeps the allocator in a ContextVar, so it is set in every thread that launches (autograd runs
+    backward in its own thread); an allocator the caller set is left alone."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch if torch.device(device).type == "cuda" else _interpreter_scratch)
+
+
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None, use_tma: bool = False,
+                      gluon: bool | None = None, warp_specialised: bool | None = None):
+    """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
+
+    fused: True, one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon versions
+    in hopper_one_pass.py and hopper_backward.py); there is no dQ pass and finish() casts that buffer. None
+    (default): one pass at `hopper_backward.ONE_PASS_HEAD_DIMS` where the Gluon one-pass kernel qualifies and
+    gluon is None (measured faster there), else two passes. False: two passes. use_tma: the inner loops' Q/dO
+    (dK/dV pass) and K/V (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
+    `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
+    products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
+    `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
+    (measured faster than their `tl` twins), False neither. warp_specialised (with fused, where the Gluon
+    one-pass kernel qualifies): True takes the warp-specialised one-pass kernel (`hopper_one_pass.py`) at its
+    head dims, False the lockstep one, None (default) the warp-specialised one at its head dims.
+    """
+    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon,
+                                                  warp_specialised)
+    return (*launches, lambda: _backward_result(q, buffers, accum))
+
+
+def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
+    """D and the backward's dK, dV, named as launch plans know them."""
+    # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
+    return dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
+
+
+def dq_accum_shape(q, accum: str) -> tuple[int, int]:
+    """(rows, columns) per (batch, head) of the one-pass fp32 dQ accumulator: "gluon" (the Gluon one-pass
+    kernels: whole 128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D)."""
+    if accum == "gluon":
+        return gluon_common.one_pass_rows(q.shape[-2]), q.shape[-1]
+    return q.shape[-2], max(16, triton.next_power_of_2(q.shape[-1]))
+
+
+def _dq_buffer(q, accum: str | None) -> dict[str, torch.Tensor]:
+    """Where dQ goes: dq (accum None: two passes write it) or the one-pass accumulator (`dq_accum_shape`),
+    which the preprocess launch zeroes."""
+    if accum is None:
+        return dict(dq=torch.empty_like(q))
+    rows, cols = dq_accum_shape(q, accum)
+    return dict(dq_accum=torch.empty(math.prod(q.shape[:-2]), rows, cols, device=q.device, dtype=torch.float32))
+
+
+def _backward_result(q, buffers: dict[str, torch.Tensor], accum: str | None):
+    """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one
+    (the `tl` kernel adds dS K unscaled; the Gluon ones add it scaled)."""
+    if accum is None:
+        return buffers["dq"], buffers["dk"], buffers["dv"]
+    rows = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
+    if accum == "tl":
+        rows = rows.mul_(1.0 / math.sqrt(q.shape[-1]))
+    dq = torch.empty_like(q)  # in q's layout, as the other gradients
+    dq.copy_(rows.view(q.shape))  # (batch*heads, ..) -> q's dims
+    return dq, buffers["dk"], buffers["dv"]
+
+
+def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon, warp_specialised):
+    """((preprocess, dK/dV pass, dQ pass or None), buffers, accumulator kind): `backward_launches`' choice, its
+    buffers named for launch plans, and where dQ goes (`_dq_buffer`)."""
+    q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
+    batch, heads, n_queries, head_dim = q4.shape
+    n_keys = k4.shape[2]
+    block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
+    buffers = _backward_buffers(k, v, lse)
+    delta, dk4, dv4 = buffers["delta"], _as_4d(buffers["dk"]), _as_4d(buffers["dv"])
+    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
+                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
+    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
+        fused = gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok
+    accum = ("gluon" if gluon_one_pass_ok else "tl") if fused else None
+    buffers.update(_dq_buffer(q, accum))
+    dq_accum = buffers.get("dq_accum")
+    preprocess_rows = 64
+    accum_args = (dq_accum, dq_accum.stride(0)) if dq_accum is not None else (None, 0)
+    preprocess = FixedLaunch(
+        flash_preprocess_kernel,
+        (o4, do4, delta, accum_args[0], *o4.stride(), *do4.stride(), accum_args[1], heads, n_queries, head_dim),
+        dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
+        (triton.cdiv(n_queries, preprocess_rows), batch * heads))
+
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    common = (q4, k4, v4, do4, lse, delta)
+    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
+    sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
+    flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
+    if use_tma and tma_eligible(q4, k4, v4, do4):
+        _install_descriptor_allocator(q.device)
+        flags["USE_TMA"] = True
+
+    def key_grid(meta):
+        return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
+
+    if accum == "gluon":  # adds dQ already scaled, into whole tiles of rows
+        _install_descriptor_allocator(q.device)
+        one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
+                    and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
+        dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
+        return (preprocess, dkdv, None), buffers, accum
+    if accum == "tl":
+        dkdv = KernelLaunch(flash_bwd_fused_kernel,
+                            (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                            flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
+        return (preprocess, dkdv, None), buffers, accum
+    dq4 = _as_4d(buffers["dq"])
+    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                        flags | dict(DQ_REDUCE=0), key_grid)
+    dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
+                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    gluon_ok = hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4, dq4, dk4, dv4)
+    if gluon is not False and not use_tma and gluon_ok:
+        _install_descriptor_allocator(q.device)
+        gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
+                                                               is_causal, sm_scale)
+        # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
+        if gluon or "dkdv" in hopper_backward.GLUON_PASSES:
+            dkdv = gluon_dkdv
+        if gluon or "dq" in hopper_backward.GLUON_PASSES:
+            dq_pass = gluon_dq
+    return (preprocess, dkdv, dq_pass), buffers, accum
+
+
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
+                   gluon: bool | None = None):
+    """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs.
+    Repeat calls of one input signature replay a launch plan (`launch_plan`)."""
+    planned = launch_plan.plans_enabled() and q.device.type == "cuda"
+    if planned:
+        key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, fused, gluon)
+        plan = launch_plan.lookup(key)
+        if plan is not None:
+            return plan(q, k, v, out, lse, grad_out)
+    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False, gluon, None)
+    launches = [launch for launch in launches if launch is not None]
+    if not planned:
+        for launch in launches:
+            launch()
+        return _backward_result(q, buffers, accum)
+    tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
+    captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
+    if all(c is not None for c in captured):
+        launch_plan.store(key, _BackwardPlan(tuple(captured), accum))
+    return _backward_result(q, buffers, accum)
+
+
+@dataclass
+class _BackwardPlan:
+    """A backward replayed: its buffers allocated as `_backward_launches` allocates them, its kernels in order,
+    then dQ cast from the accumulator where there is one."""
+
+    launches: tuple[launch_plan.CapturedLaunch, ...]
+    accum: str | None  # `_dq_buffer`'s accumulator kind
+
+    def __call__(self, q, k, v, out, lse, grad_out):
+        buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, self.accum)
+        addresses = {name: t.data_ptr() for name, t in buffers.items()}
+        addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
+                         grad_out=grad_out.data_ptr())
+        _install_descriptor_allocator(q.device)
+        for launch in self.launches:
+            launch(addresses)
+        return _backward_result(q, buffers, self.accum)
+
+
+def chosen_configs() -> dict[str, dict]:
+    """The autotuner's choices so far: kernel -> {tuning key: 'BLOCK_M=.., BLOCK_N=.., warps, stages'}."""
+    chosen = {}
+    for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel),
+                         ("fused", flash_bwd_fused_kernel)):
+        chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
+        if not chosen[name] and len(kernel.configs) == 1:  # one candidate (the interpreter): never tuned
+            chosen[name] = {"every key": str(kernel.configs[0])}
+    return chosen

@@ -127,3 +127,27 @@ def test_buckets_separate_dtypes():
 def test_unknown_variant():
     with pytest.raises(ValueError, match="unknown variant 'magic'; valid: naive, flat, overlap, bucketed"):
         make_ddp(ToyModel(), "magic")
+
+
+def _rank_reports_world(rank, world_size, seen_dir):
+    with open(f"{seen_dir}/rank{rank}", "w") as f:
+        f.write(f"{dist.get_rank()} {dist.get_world_size()}")
+
+
+@pytest.mark.distributed
+def test_spawn_binds_its_rendezvous_before_any_rank_starts(tmp_path):
+    """The rendezvous port is held by the spawning process from the start (no window in which another process can
+    take it); a port already taken is a clear error before any rank is started."""
+    import socket
+
+    from cs336_systems.parallel import comm
+
+    comm.spawn(_rank_reports_world, 2, str(tmp_path))
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["0 2", "1 2"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"spawn: could not listen on port {port} .*pass another port"):
+            comm.spawn(_rank_reports_world, 2, str(tmp_path / "never"), port=port)
+    assert not (tmp_path / "never").exists()

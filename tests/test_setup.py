@@ -100,3 +100,13 @@ def test_every_option_of_every_command_has_a_help_text():
                for prefix, action in _all_options(parser, name)
                if not action.help and action.option_strings]
     assert not missing, missing
+
+
+def test_results_dir_naming_a_file_is_refused_before_any_work(tmp_path):
+    kept = tmp_path / "notes.txt"
+    kept.write_text("the user's file")
+    result = subprocess.run([sys.executable, "-m", "cs336_systems.bench", "model", "--preset", "tiny", "--device",
+                             "cpu", "--results-dir", str(kept)], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and f"--results-dir: '{kept}' is a file" in result.stderr
+    assert "Traceback" not in result.stderr and kept.read_text() == "the user's file"

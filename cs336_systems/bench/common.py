@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+from pathlib import Path
 
 import torch
 
@@ -73,11 +74,18 @@ def fraction(name: str):
     return parse
 
 
+def results_folder(text: str) -> str:
+    """argparse type of --results-dir: a folder (made where missing), never an existing file."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"--results-dir: {text!r} is a file; give a folder (made if missing)")
+    return text
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=parse_device, default=default_device(),
                         help=f"cpu, cuda or cuda:N (default: cuda when a CUDA device is visible, else cpu; "
                              f"here: {default_device()})")
-    parser.add_argument("--results-dir", default="runs",
+    parser.add_argument("--results-dir", type=results_folder, default="runs",
                         help="folder for the JSON-Lines result rows (default: runs/, git-ignored)")
     parser.add_argument("--latex", action="store_true", help="print the table as LaTeX instead of Markdown")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")

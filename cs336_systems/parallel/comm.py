@@ -4,8 +4,9 @@ plus the few collectives gloo lacks.
 * `setup(...)` reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT (torchrun sets
   them), picks NCCL for CUDA and gloo otherwise, pins the device to the local rank, and uses
   a bounded timeout so a rank that dies makes the others fail instead of hanging.
-* `spawn(fn, world_size, ...)` runs `fn(rank, world_size, *args)` in fresh processes on a free
-  port; if one raises, torch's spawn terminates the rest and re-raises its error here.
+* `spawn(fn, world_size, ...)` runs `fn(rank, world_size, *args)` in fresh processes that meet at a
+  rendezvous store this process binds first (on a free port, so no other process can take it in between);
+  if one raises, torch's spawn terminates the rest and re-raises its error here.
 * `reduce_scatter` / `all_gather_into` fall back to all-reduce + slice and list all-gather
   on gloo, which has no reduce-scatter.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,15 +37,11 @@ class DistContext:
     backend: str | None  # None: single process, no group
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup(backend: str | None = None, *, rank: int | None = None, world_size: int | None = None,
-          device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
-    """Join (or skip, at world size 1) the default process group; returns where this rank runs."""
+          device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+          store: dist.Store | None = None) -> DistContext:
+    """Join (or skip, at world size 1) the default process group; returns where this rank runs. Rendezvous
+    through `store` where given (`spawn`'s), else torchrun's environment (MASTER_ADDR / MASTER_PORT)."""
     world_size = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     rank = rank if rank is not None else int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -64,7 +60,7 @@ def setup(backend: str | None = None, *, rank: int | None = None, world_size: in
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "localhost")
         os.environ.setdefault("MASTER_PORT", "12390")
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=dev if backend == "nccl" else None)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
@@ -82,7 +78,11 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world_size), str(rank)
     device = "cuda" if backend == "nccl" else "cpu"
     try:
-        setup(backend, rank=rank, world_size=world_size, device=device)
+        # The parent holds the store's port from before the spawn to the end (see `spawn`): every rank,
+        # rank 0 included, joins it as a client.
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        setup(backend, rank=rank, world_size=world_size, device=device, store=store)
         fn(rank, world_size, *args)
         if dist.is_initialized():
             # Every rank done before any tears down: a gloo rank destroying its group while a peer still talks
@@ -103,9 +103,18 @@ def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", po
     (gloo on CPU by default; "nccl" for one GPU per rank); the first error is re-raised here."""
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
+    # The rendezvous store lives in this process, bound before any rank starts (port 0: the system picks a free
+    # one). Choosing a free port and letting rank 0 bind it later raced other processes for it (EADDRINUSE in
+    # about 1 of 32 fresh runs).
+    try:
+        store = dist.TCPStore("127.0.0.1", port or 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    except (RuntimeError, OSError) as error:
+        raise RuntimeError(f"spawn: could not listen on port {port or 0} for the ranks' rendezvous "
+                           f"({str(error).splitlines()[0][:200]}); pass another port or none") from None
     with tempfile.TemporaryDirectory() as error_dir:
         try:
-            mp.spawn(_spawn_entry, args=(fn, world_size, port or free_port(), backend, args, error_dir),
+            mp.spawn(_spawn_entry, args=(fn, world_size, store.port, backend, args, error_dir),
                      nprocs=world_size, join=True)
         except mp.ProcessRaisedException as error:
             failures = []

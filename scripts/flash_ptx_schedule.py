@@ -131,8 +131,12 @@ def schedule(ptx: str) -> str:
 
 
 def registers_and_spills(ptx: str, arch: int) -> str:
-    """ptxas -v's registers per thread and spill stores (bytes) for the kernel, from Triton's bundled ptxas."""
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    """ptxas -v's registers per thread and spill stores (bytes) for the kernel, from the ptxas Triton itself uses:
+    its bundled one, or TRITON_PTXAS_PATH's (the GPU image's Triton writes PTX for its CUDA 13 ptxas, which the
+    bundled CUDA 12.8 one refuses)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
     with tempfile.TemporaryDirectory() as scratch:
         source_file = Path(scratch) / "kernel.ptx"
         source_file.write_text(ptx)
@@ -142,7 +146,7 @@ def registers_and_spills(ptx: str, arch: int) -> str:
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
     if not registers:
-        return "ptxas: no report"
+        return f"ptxas: no report ({(report.strip().splitlines() or ['no output'])[0][:120]})"
     return f"{registers.group(1)} regs, {spills.group(1) if spills else '?'} B spilled"
 
 

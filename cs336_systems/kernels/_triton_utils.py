@@ -9,7 +9,7 @@ import torch
 
 # What to run where Triton is missing. CUDA builds of torch on Linux bring their matching Triton; the CPU
 # build does not, and the toolkit's base install does not ask for it (see README, "Set-up").
-TRITON_INSTALL = "pip install 'triton>=3.2'  (or: pip install -e '.[triton]')"
+TRITON_INSTALL = "pip install 'triton>=3.6,<3.7'  (or: pip install -e '.[triton]')"
 
 
 def triton_installed() -> bool:

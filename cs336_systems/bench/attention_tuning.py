@@ -310,7 +310,7 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
     fmt = "latex" if args.latex else "markdown"
     cols = ["seq", "d", "kernel", "block_m", "block_n", "num_warps", "num_stages", "median"]
     ranked = best_configs(frame)
-    print(format_table(ranked.head(args.top)[cols].round(3), fmt))
+    print(format_table(ranked.head(args.top)[cols].rename(columns={"median": "time ms"}).round(3), fmt))
     # What the best of each kernel adds up to, against the whole passes timed in the same run.
     times = frame[(frame["metric"] == "time") & (frame["status"] == "ok")]
     summary = []

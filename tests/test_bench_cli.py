@@ -53,7 +53,7 @@ def test_model_suite_sweep_and_override(tmp_path):
 
 
 def test_model_suite_records_a_failing_configuration_and_goes_on(tmp_path, monkeypatch):
-    import cs336_systems.bench.model_suite as suite
+    import cs336_systems.bench.suites.model as suite
 
     real = suite._Harness.step_fn
 

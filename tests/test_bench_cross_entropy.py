@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from cs336_systems.bench import cross_entropy_suite
 from cs336_systems.bench.cli import main
+from cs336_systems.bench.suites import cross_entropy as cross_entropy_suite
 from cs336_systems.results import load_rows
 
 SMALL = ["cross-entropy", "--device", "cpu", "--tokens", "96", "--vocab", "300", "--d-model", "24",

@@ -20,7 +20,7 @@ def test_leaderboard_tiny_verifies(tmp_path, checkpoint, capsys):
 
 
 def test_verify_catches_a_wrong_step(tmp_path, monkeypatch):
-    import cs336_systems.bench.leaderboard_suite as suite
+    import cs336_systems.bench.leaderboard_step as suite  # where verify and our step compute the loss
 
     real = suite.lm_head_cross_entropy
     monkeypatch.setattr(suite, "lm_head_cross_entropy", lambda *a, **k: real(*a, **k) * 1.01)
@@ -35,9 +35,10 @@ def test_bad_fit_fraction(fraction, capsys):
     assert "--fit-fraction" in capsys.readouterr().err
 
 
-def test_bad_checkpoint_policy(tmp_path):
-    with pytest.raises(SystemExit, match="--checkpoint"):
+def test_bad_checkpoint_policy(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="2"):  # refused while parsing the command line, before any work
         main([*TINY, "--checkpoint", "sometimes", "--results-dir", str(tmp_path)])
+    assert "--checkpoint: unknown checkpoint policy 'sometimes'" in capsys.readouterr().err
 
 
 def test_baseline_beside_ours_in_one_run(tmp_path, capsys):
@@ -63,56 +64,6 @@ def test_fused_kernels_verify(tmp_path, checkpoint):
                  "ours", "--results-dir", str(tmp_path)]) == 0
     rows = load_rows(tmp_path / "leaderboard.jsonl")
     assert all(r["config"]["fused"] and r["config"]["fused_rope"] for r in rows if r["provider"] == "ours")  # default
-
-
-def test_policy_ladder_follows_the_memory_model(monkeypatch):
-    import torch
-
-    from cs336_systems.bench.leaderboard_suite import (
-        FIT_FRACTION,
-        policy_candidates,
-        recompute_cost,
-        recompute_flops,
-    )
-    from cs336_systems.config import ModelConfig
-    from cs336_systems.memory.model import predict
-
-    cfg = ModelConfig.from_name("leaderboard-8b")
-    kw = dict(attention="flash", dtype="bf16", fused=True, loss="fused", state_dtype="bf16")
-    need = {m: predict(cfg, 1, 32768, policy=f"partial:{m}", **kw).peak for m in (20, 21)}
-    free = (need[20] + need[21]) / 2 / FIT_FRACTION  # partial:21 fits, partial:20 does not
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(2 * free)))
-    ladder = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
-                               attention="triton", fused=True, chunk_tokens=4096)
-    def fits(policy):
-        return predict(cfg, 1, 32768, policy=policy, **kw).peak < FIT_FRACTION * free
-
-    # The first rung is the least recompute that fits: fewer fully checkpointed blocks (keeping their
-    # attention) with the rest selective beats partial:21 and the best plain +keep-attn rung.
-    first = ladder[0]
-    assert fits(first) and first.endswith("+keep-attn+selective")
-    checkpointed = int(first.removesuffix("+keep-attn+selective").partition(":")[2])
-    assert not fits(f"partial:{checkpointed - 1}+keep-attn+selective")  # one block fewer does not fit
-    best_keep_attn = next(p for p in ladder if p.endswith("+keep-attn"))
-    assert int(best_keep_attn.removesuffix("+keep-attn").partition(":")[2]) > checkpointed
-    cost = {p: recompute_cost(cfg, 1, 32768, p) for p in (first, best_keep_attn, "partial:21")}
-    assert cost[first] < cost[best_keep_attn] < cost["partial:21"]
-    assert fits("partial:21") and not fits("partial:20") and "partial:21" in ladder
-    assert recompute_flops(cfg, 1, 32768, "selective") == 0  # no product is recomputed...
-    assert 0 < recompute_cost(cfg, 1, 32768, "selective") < recompute_cost(cfg, 1, 32768, "partial:2")  # ...only copies
-    assert ladder[-2:] == ["every-block", "nested"] and ladder.index("every-block+keep-attn") < len(ladder) - 2
-    # ffn (recompute each SwiGLU) sorts by its recomputed FLOPs between partial:13 and partial:14.
-    flops = {p: recompute_flops(cfg, 1, 32768, p) for p in ("partial:13", "ffn", "partial:14")}
-    assert flops["partial:13"] < flops["ffn"] < flops["partial:14"]
-    assert "ffn" not in ladder  # predicted to need more memory than the first rung: no fallback
-    first_peak = predict(cfg, 1, 32768, policy=first, **kw).peak
-    assert all(predict(cfg, 1, 32768, policy=p, **kw).peak < first_peak for p in ladder[1:])
-    assert policy_candidates(cfg, 1, 32768, torch.device("cpu"), dtype="bf16", state_dtype="bf16",
-                             attention="triton", fused=True, chunk_tokens=4096) == ["none"]
-    # A larger share of the free memory lets the first rung recompute less.
-    roomier = policy_candidates(cfg, 1, 32768, torch.device("cuda"), dtype="bf16", state_dtype="bf16",
-                                attention="triton", fused=True, chunk_tokens=4096, fit_fraction=0.97)
-    assert recompute_cost(cfg, 1, 32768, roomier[0]) < recompute_cost(cfg, 1, 32768, first)
 
 
 def test_unknown_provider_is_refused(capsys):
@@ -148,7 +99,7 @@ def _lockstep_rank(rank, world_size, out_dir):
 
     import torch
 
-    from cs336_systems.bench.leaderboard_suite import _bench_in_lockstep
+    from cs336_systems.bench.suites.leaderboard import _bench_in_lockstep
     from cs336_systems.parallel import comm
 
     calls = []

@@ -21,7 +21,7 @@ def test_attention_suite_cpu_providers_and_skips(tmp_path):
 
 
 def test_attention_sweep_options_override_the_sweep():
-    from cs336_systems.bench.attention_suite import cases
+    from cs336_systems.bench.suites.attention import cases
 
     args = build_parser().parse_args(["attention", "--sweep", "flash", "--seq", "256", "--d", "64",
                                       "--dtype", "bf16", "--provider", "triton", "--device", "cpu"])
@@ -69,7 +69,7 @@ def test_collectives_rejects_bad_sizes():
 
 
 def test_attention_tuning_space_respects_the_causal_split():
-    from cs336_systems.bench.attention_tuning import tuning_space
+    from cs336_systems.bench.suites.attention_tune import tuning_space
 
     for kernel, outer, inner in (("forward", 0, 1), ("dq", 0, 1), ("dkdv", 1, 0)):
         space = tuning_space(kernel)
@@ -120,7 +120,7 @@ def test_attention_compiled_backward_also_resets_dynamo_per_case(tmp_path, monke
     its name. (Its Triton forward needs CUDA, so the case's function is swapped for the naive one here.)"""
     import torch._dynamo
 
-    from cs336_systems.bench import attention_suite
+    from cs336_systems.bench.suites import attention as attention_suite
 
     resets = []
     real_reset = torch._dynamo.reset

@@ -648,7 +648,7 @@ def test_warp_specialised_one_pass_matches_reference(shape, causal, dtype):
     tuned config: dQ, dK and dV within PyTorch's own low-precision error of the fp64 reference's."""
     import triton
 
-    from cs336_systems.bench.attention_tuning import GLUON_SPACE
+    from cs336_systems.bench.suites.attention_tune import GLUON_SPACE
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
 
@@ -729,7 +729,7 @@ def test_gluon_one_pass_configs_agree_with_two_passes(d):
 
     import triton
 
-    from cs336_systems.bench.attention_tuning import FUSED_GLUON_SPACE
+    from cs336_systems.bench.suites.attention_tune import FUSED_GLUON_SPACE
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
     q, k, v, do = _head_views(4, 2, 1000, 3, d, seed=3)
@@ -799,7 +799,7 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
 
     import triton
 
-    from cs336_systems.bench.attention_tuning import FORWARD_GLUON_SPACE
+    from cs336_systems.bench.suites.attention_tune import FORWARD_GLUON_SPACE
     from cs336_systems.kernels.flash_attention.dispatch import forward_launch
 
     q, k, v = _head_views(3, 2, 1000, 3, d, seed=4)
@@ -829,7 +829,7 @@ def test_warp_specialised_forward_configs_match_reference(shape, causal):
     PyTorch's own bf16 error of the fp64 reference, L to fp32 rounding."""
     import triton
 
-    from cs336_systems.bench.attention_tuning import GLUON_SPACE
+    from cs336_systems.bench.suites.attention_tune import GLUON_SPACE
     from cs336_systems.kernels.flash_attention.dispatch import forward_launch
 
     q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))

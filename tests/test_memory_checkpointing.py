@@ -6,8 +6,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.config import ModelConfig
-from cs336_systems.memory.checkpointing import apply_checkpointing, group_size, parse_policy
+from cs336_systems.memory.checkpointing import apply_checkpointing
 from cs336_systems.memory.live_bytes import retained_bytes
+from cs336_systems.memory.policy import CheckpointPolicy
 from tests._support import kernel_device
 
 POLICIES = ["none", "every-block", "every-k:2", "every-k:3", "partial:2", "partial:9", "sqrt", "nested", "ffn", "attn",
@@ -61,17 +62,6 @@ def test_partial_keeps_the_unchecked_blocks_whole():
     assert every < half < none
     assert abs(half - (none + every) / 2) < 0.1 * none  # half the blocks whole, half as boundaries
 
-
-def test_policy_parsing():
-    assert parse_policy("every-k:4") == ("every-k", 4)
-    assert parse_policy("partial:0") == ("partial", 0)
-    with pytest.raises(ValueError, match="block count"):
-        parse_policy("partial:x")
-    assert group_size("sqrt", 32) == 6 and group_size("every-k:64", 32) == 32 and group_size("nested", 8) is None
-    with pytest.raises(ValueError, match="unknown checkpoint policy 'all'; valid: none, every-block"):
-        parse_policy("all")
-    with pytest.raises(ValueError, match="positive group size"):
-        parse_policy("every-k:0")
 
 
 # ---- +keep-attn: selective checkpointing that keeps our attention's outputs ----
@@ -147,15 +137,7 @@ def test_keep_attn_holds_the_attention_outputs_of_checkpointed_blocks():
     assert kept - plain == pytest.approx(4 * per_block, rel=0.05)
 
 
-def test_keep_attn_parsing():
-    from cs336_systems.memory.checkpointing import keeps_attention
 
-    assert parse_policy("partial:3+keep-attn") == ("partial", 3)
-    assert keeps_attention("every-k:2+keep-attn") and not keeps_attention("every-k:2")
-    with pytest.raises(ValueError, match=r"\+keep-attn applies to every-block, every-k, partial, sqrt; got it on"):
-        parse_policy("nested+keep-attn")
-    with pytest.raises(ValueError, match="every-k needs a positive group size"):
-        parse_policy("every-k:0+keep-attn")
 
 
 def test_keep_attn_composes_with_per_block_compile(attention_forward_calls):
@@ -187,19 +169,7 @@ def test_keep_attn_composes_with_per_block_compile(attention_forward_calls):
 
 # ---- selective: keep the products and attention outputs, recompute only pointwise ops ----
 
-def test_selective_parsing():
-    from cs336_systems.memory.checkpointing import keeps_attention, selective_rest
 
-    assert parse_policy("selective") == ("partial", 0) and selective_rest("selective")
-    assert parse_policy("partial:3+keep-attn+selective") == ("partial", 3)
-    assert keeps_attention("partial:3+keep-attn+selective") and selective_rest("partial:3+keep-attn+selective")
-    assert not selective_rest("partial:3+keep-attn") and not keeps_attention("partial:3+selective")
-    with pytest.raises(ValueError, match=r"\+selective applies to partial:M"):
-        parse_policy("every-block+selective")
-    with pytest.raises(ValueError, match=r"\+selective applies to partial:M"):
-        parse_policy("selective+selective")
-    with pytest.raises(ValueError, match=r"write \+keep-attn before \+selective"):
-        parse_policy("partial:3+selective+keep-attn")
 
 
 class _ProductCounter(TorchDispatchMode):
@@ -240,7 +210,7 @@ def test_selective_recomputes_no_product_and_no_attention(policy, attention_forw
     plain_grads, plain_products, _ = step("none")
     checkpointed_grads, _, _ = step("every-block")
     grads, products, attention_again = step(policy)
-    fully_checkpointed = parse_policy(policy)[1]
+    fully_checkpointed = CheckpointPolicy.parse(policy).size
     assert attention_again == 0
     assert products == plain_products + 6 * fully_checkpointed  # q, k, v, o, w1, w3 (early stop spares w2)
     for name in grads:

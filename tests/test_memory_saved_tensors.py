@@ -62,7 +62,7 @@ def test_memory_saved_cli_rmsnorm_by_hand(tmp_path, capsys):
 
 def test_memory_search_cli_on_cpu(tmp_path, capsys):
     from cs336_systems.bench.cli import main
-    from cs336_systems.bench.memory_suite import _candidate_group_sizes
+    from cs336_systems.bench.suites.memory import _candidate_group_sizes
     from cs336_systems.results import load_rows
 
     assert _candidate_group_sizes(32) == [1, 2, 4, 5, 6, 7, 8, 16, 32]

@@ -4,37 +4,34 @@ from __future__ import annotations
 
 import argparse
 import sys
-from types import SimpleNamespace
 
-from cs336_systems.bench import (
-    attention_suite,
-    attention_tuning,
-    collectives_suite,
-    cross_entropy_suite,
-    leaderboard_suite,
-    memory_suite,
-    model_suite,
-    parallel_suites,
-    precision_suite,
+from cs336_systems.bench.suites import (
+    attention,
+    attention_tune,
+    collectives,
+    cross_entropy,
+    ddp,
+    fsdp,
+    leaderboard,
+    memory,
+    model,
+    precision,
+    sharding,
 )
 from cs336_systems.kernels._triton_utils import missing_triton_message, triton_installed
 
 SUITES = {
-    "attention": (attention_suite, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
-    "attention-tune": (attention_tuning, "every tile config of each FlashAttention kernel, timed alone"),
-    "model": (model_suite, "time forward / forward-backward / train-step of the LM (sweeps, profiling)"),
-    "collectives": (collectives_suite, "all-reduce / all-gather / reduce-scatter timings and bandwidth"),
-    "ddp": (SimpleNamespace(add_arguments=parallel_suites.add_ddp_arguments, run=parallel_suites.run_ddp,
-                            __doc__=parallel_suites.__doc__), "our DDP variants vs torch DDP: step and exposed comm"),
-    "sharding": (SimpleNamespace(add_arguments=parallel_suites.add_sharding_arguments,
-                                 run=parallel_suites.run_sharding, __doc__=parallel_suites.__doc__),
-                 "memory and step time with and without ZeRO-1 optimizer sharding"),
-    "fsdp": (SimpleNamespace(add_arguments=parallel_suites.add_fsdp_arguments, run=parallel_suites.run_fsdp,
-                             __doc__=parallel_suites.__doc__), "our FSDP vs DDP and torch FSDP2"),
-    "cross-entropy": (cross_entropy_suite, "fused LM head + cross-entropy vs lm_head + cross_entropy: time, memory"),
-    "leaderboard": (leaderboard_suite, "the full 8B training step with our kernels (and --verify)"),
-    "memory": (memory_suite, "saved-tensor accounting by module and op"),
-    "precision": (precision_suite, "the handout's accumulation loops and autocast dtypes, computed"),
+    "attention": (attention, "our attention kernels vs PyTorch's: forward, backward, both; sweeps"),
+    "attention-tune": (attention_tune, "every tile config of each FlashAttention kernel, timed alone"),
+    "model": (model, "time forward / forward-backward / train-step of the LM (sweeps, profiling)"),
+    "collectives": (collectives, "all-reduce / all-gather / reduce-scatter timings and bandwidth"),
+    "ddp": (ddp, "our DDP variants vs torch DDP: step and exposed comm"),
+    "sharding": (sharding, "memory and step time with and without ZeRO-1 optimizer sharding"),
+    "fsdp": (fsdp, "our FSDP vs DDP and torch FSDP2"),
+    "cross-entropy": (cross_entropy, "fused LM head + cross-entropy vs lm_head + cross_entropy: time, memory"),
+    "leaderboard": (leaderboard, "the full 8B training step with our kernels (and --verify)"),
+    "memory": (memory, "saved-tensor accounting by module and op"),
+    "precision": (precision, "the handout's accumulation loops and autocast dtypes, computed"),
 }
 
 
@@ -55,11 +52,11 @@ def triton_options(args: argparse.Namespace) -> list[str]:
     if args.suite == "attention-tune":
         needs.append("the attention-tune suite")
     if args.suite == "attention":
-        providers = dict.fromkeys(case.provider for case in attention_suite.cases(args))
+        providers = dict.fromkeys(case.provider for case in attention.cases(args))
         needs += [f"--provider {name}" for name in providers if name.startswith("triton")]
-    attention = getattr(args, "attention", None)
-    if isinstance(attention, str) and attention.startswith("triton"):
-        needs.append(f"--attention {attention}")
+    attention_name = getattr(args, "attention", None)
+    if isinstance(attention_name, str) and attention_name.startswith("triton"):
+        needs.append(f"--attention {attention_name}")
     if getattr(args, "fused", None) in (True, "on"):
         needs.append("--fused")
     if getattr(args, "optimizer", None) == "fused":

@@ -1,6 +1,7 @@
 """Activation-checkpointing policies, applied to a built model from outside.
 
-The model knows nothing of them: `apply_checkpointing(model, "every-k:4")` replaces the
+The model knows nothing of them: `apply_checkpointing(model, CheckpointPolicy.parse("every-k:4"))` (policy.py;
+a string is parsed the same way) replaces the
 forward of the model's block list (`model.layers`) by a checkpointed schedule. All use
 torch.utils.checkpoint in its non-reentrant form (it composes with torch.compile, with our
 FlashAttention Function and with our FSDP, whose recomputed layers are gathered once).
@@ -40,70 +41,14 @@ unsharded blocks (DDP, one GPU), not for FSDP, whose gathered weights live in fr
 from __future__ import annotations
 
 import functools
-import math
 import types
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    checkpoint,
-    create_selective_checkpoint_contexts,
-    noop_context_fn,
-)
+from torch.utils.checkpoint import CheckpointPolicy as SaveOrRecompute  # (torch's per-op decision)
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-POLICIES = ("none", "every-block", "every-k:K", "partial:M", "sqrt", "nested", "ffn", "attn", "selective")
-KEEP_ATTENTION = "+keep-attn"
-KEEP_ATTENTION_BASES = ("every-block", "every-k", "partial", "sqrt")
-SELECTIVE = "+selective"
-
-
-def keeps_attention(policy: str) -> bool:
-    """True for the `+keep-attn` variants (validated)."""
-    parse_policy(policy)
-    return policy.removesuffix(SELECTIVE).endswith(KEEP_ATTENTION)
-
-
-def selective_rest(policy: str) -> bool:
-    """True for `selective` and the `partial:M...+selective` variants (validated): the blocks not fully
-    checkpointed keep their products and attention outputs and recompute their pointwise ops."""
-    parse_policy(policy)
-    return policy == "selective" or policy.endswith(SELECTIVE)
-
-
-def parse_policy(policy: str) -> tuple[str, int | None]:
-    """'every-k:4' -> ('every-k', 4); validates the name and K. A `+keep-attn` suffix is accepted on the
-    single-level policies (see `keeps_attention`) and does not change the result; `selective` is
-    ('partial', 0) and a `+selective` suffix (partial only, see `selective_rest`) does not change it either."""
-    if policy == "selective":
-        return "partial", 0
-    if policy.endswith(SELECTIVE):
-        name, arg = parse_policy(policy.removesuffix(SELECTIVE))
-        if name != "partial" or policy.removesuffix(SELECTIVE) == "selective":
-            raise ValueError(f"checkpoint policy {policy!r}: {SELECTIVE} applies to partial:M "
-                             f"(optionally partial:M{KEEP_ATTENTION}{SELECTIVE}); got it on {name!r}")
-        return name, arg
-    if policy.endswith(KEEP_ATTENTION):
-        if policy.removesuffix(KEEP_ATTENTION).endswith(SELECTIVE) or policy == "selective" + KEEP_ATTENTION:
-            raise ValueError(f"checkpoint policy {policy!r}: write {KEEP_ATTENTION} before {SELECTIVE}, "
-                             f"e.g. partial:10{KEEP_ATTENTION}{SELECTIVE}")
-        name, arg = parse_policy(policy.removesuffix(KEEP_ATTENTION))
-        if name not in KEEP_ATTENTION_BASES:
-            raise ValueError(f"checkpoint policy {policy!r}: {KEEP_ATTENTION} applies to "
-                             f"{', '.join(KEEP_ATTENTION_BASES)}; got it on {name!r}")
-        return name, arg
-    name, _, arg = policy.partition(":")
-    if name == "every-k":
-        if not arg.isdigit() or int(arg) < 1:
-            raise ValueError(f"checkpoint policy every-k needs a positive group size, e.g. every-k:4; got {policy!r}")
-        return name, int(arg)
-    if name == "partial":
-        if not arg.isdigit():
-            raise ValueError(f"checkpoint policy partial needs a block count M >= 0, e.g. partial:20; got {policy!r}")
-        return name, int(arg)
-    if name not in {p.partition(":")[0] for p in POLICIES} or arg:
-        raise ValueError(f"unknown checkpoint policy {policy!r}; valid: {', '.join(POLICIES)}")
-    return name, None
+from cs336_systems.memory.policy import CheckpointPolicy
 
 
 def _run(blocks, x):
@@ -130,7 +75,7 @@ def _attention_ops() -> frozenset:
 
 
 def _save_attention_outputs(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    return SaveOrRecompute.MUST_SAVE if op in _attention_ops() else SaveOrRecompute.PREFER_RECOMPUTE
 
 
 def _keep_attention_contexts():
@@ -145,11 +90,11 @@ def _product_ops() -> frozenset:
 
 def _save_products_and_attention(weight_storages: frozenset, ctx, op, *args, **kwargs):
     if op in _attention_ops():
-        return CheckpointPolicy.MUST_SAVE
+        return SaveOrRecompute.MUST_SAVE
     if op in _product_ops() and any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in weight_storages
                                     for a in args):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+        return SaveOrRecompute.MUST_SAVE
+    return SaveOrRecompute.PREFER_RECOMPUTE
 
 
 def _kept_product_weights(block: nn.Module) -> frozenset:
@@ -176,18 +121,6 @@ def _nested(blocks, x):
     return _nested(blocks[mid:], x)
 
 
-def group_size(policy: str, num_blocks: int) -> int | None:
-    """Blocks per checkpointed group for the single-level policies (None otherwise)."""
-    name, k = parse_policy(policy)
-    if name == "every-block":
-        return 1
-    if name == "every-k":
-        return min(k, num_blocks)
-    if name == "sqrt":
-        return max(1, round(math.sqrt(num_blocks)))
-    return None
-
-
 def _checkpointed_forward(own_forward, keep_attention: bool = False):
     def forward(self, x):
         return _checkpointed(own_forward, self, x, keep_attention=keep_attention)
@@ -198,40 +131,41 @@ def _passthrough(x):
     return x
 
 
-def apply_checkpointing(model: nn.Module, policy: str) -> nn.Module:
-    """Install `policy` on `model.layers` (an nn.ModuleList of blocks); returns the model.
+def apply_checkpointing(model: nn.Module, policy: CheckpointPolicy | str) -> nn.Module:
+    """Install `policy` (a CheckpointPolicy, or its string) on `model.layers` (an nn.ModuleList of blocks);
+    returns the model.
 
     The model's own loop still calls every block in order: the first block of each group runs
     the whole group under one checkpoint, the others pass their input through. Names, state
     dict and parameters are untouched.
     """
-    name, _ = parse_policy(policy)
-    keep = keeps_attention(policy)
+    policy = CheckpointPolicy.of(policy)
     blocks = getattr(model, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"apply_checkpointing: model needs an nn.ModuleList `layers`, got {type(blocks).__name__}")
     blocks = list(blocks)
-    if name == "none":
+    keep = policy.keep_attention
+    if policy.scheme == "none":
         return model
-    if name in ("ffn", "attn"):
+    if policy.scheme in ("ffn", "attn"):
         for block in blocks:
-            part = block.ffn if name == "ffn" else block.attn
+            part = block.ffn if policy.scheme == "ffn" else block.attn
             # The part's current forward (our fused SwiGLU, if installed first), recomputed in backward.
             part.forward = lambda x, own=part.forward: _checkpointed(own, x)
         return model
-    if name == "partial":
-        m = min(parse_policy(policy)[1], len(blocks))
+    if policy.scheme == "partial":
+        m = policy.checkpointed_blocks(len(blocks))
         for block in blocks[:m]:
             block.forward = types.MethodType(_checkpointed_forward(type(block).forward, keep), block)
-        if selective_rest(policy):
+        if policy.selective_rest:
             for block in blocks[m:]:
                 block.forward = types.MethodType(_selective_forward(type(block).forward), block)
         return model
-    if name == "nested":
+    if policy.scheme == "nested":
         groups = [blocks]
         runner = _nested
     else:
-        k = group_size(policy, len(blocks))
+        k = policy.group_size(len(blocks))
         groups = [blocks[i:i + k] for i in range(0, len(blocks), k)]
         runner = lambda group, x: _checkpointed(_run, group, x, keep_attention=keep)  # noqa: E731
     for group in groups:

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from cs336_systems.config import ModelConfig
-from cs336_systems.memory.checkpointing import group_size, keeps_attention, parse_policy, selective_rest
+from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 
 FP32 = 4
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -87,10 +87,11 @@ def boundary_bytes(cfg: ModelConfig, batch: int, seq: int, dtype: str = "fp32") 
     return batch * seq * cfg.d_model * _dtype_bytes(dtype)
 
 
-def kept_attention_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str, attention: str = "flash",
-                         dtype: str = "fp32") -> int:
+def kept_attention_bytes(cfg: ModelConfig, batch: int, seq: int, policy: CheckpointPolicy | str,
+                         attention: str = "flash", dtype: str = "fp32") -> int:
     """What `policy` keeps per checkpointed block beyond its input: the attention output for +keep-attn."""
-    return attention_output_bytes(cfg, batch, seq, attention, dtype) if keeps_attention(policy) else 0
+    keep = CheckpointPolicy.of(policy).keep_attention
+    return attention_output_bytes(cfg, batch, seq, attention, dtype) if keep else 0
 
 
 def attention_output_bytes(cfg: ModelConfig, batch: int, seq: int, attention: str = "flash",
@@ -159,10 +160,12 @@ class MemoryPrediction:
                     sum_of_parts=self.sum_of_parts)
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none", attention: str = "reference",
-                     dtype: str = "fp32", fused: bool = False, loss: str = "plain") -> int:
+def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: CheckpointPolicy | str = NO_CHECKPOINTING,
+                     attention: str = "reference", dtype: str = "fp32", fused: bool = False,
+                     loss: str = "plain") -> int:
     """Activation bytes live at the worst point of a step under `policy`."""
-    name, arg = parse_policy(policy)
+    policy = CheckpointPolicy.of(policy)
+    name = policy.scheme
     n = cfg.num_layers
     block = block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
     boundary = boundary_bytes(cfg, batch, seq, dtype)
@@ -182,32 +185,32 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, policy: str = "none
     if name == "nested":
         return (math.ceil(math.log2(max(n, 1))) + 1) * boundary + block + head
     if name == "partial":
-        m = min(arg, n)
-        if selective_rest(policy):
+        m = policy.checkpointed_blocks(n)
+        if policy.selective_rest:
             rest = boundary + selective_block_bytes(cfg, batch, seq, attention, dtype)
             return m * (boundary + kept) + (n - m) * rest + block - (kept if m else rest) + head
         return m * (boundary + kept) + (n - m) * block + (block - kept if m else 0) + head
-    k = group_size(policy, n)
+    k = policy.group_size(n)
     return math.ceil(n / k) * boundary + (n - k) * kept + k * block + head
 
 
-def _groups(policy: str, n: int, block: int, boundary: int, ffn: int, kept: int = 0, selective: int = 0
+def _groups(policy: CheckpointPolicy, n: int, block: int, boundary: int, ffn: int, kept: int = 0, selective: int = 0
             ) -> list[tuple[int, int, int]] | None:
     """(blocks, bytes kept after forward, bytes live during its backward) per group in forward order,
     for the policies the walk covers; None for nested and attn (the sum of parts estimates them).
     `kept`: what the policy keeps per checkpointed block beyond its input (`kept_attention_bytes`; its
     recompute reuses it, so a group's live bytes are unchanged); `selective`: the same for the blocks
     under selective checkpointing (`selective_block_bytes`)."""
-    name, arg = parse_policy(policy)
+    name = policy.scheme
     if name == "none":
         return [(1, block, block)] * n
     if name == "partial":
-        m = min(arg, n)
-        rest = (1, boundary + selective, block) if selective_rest(policy) else (1, block, block)
+        m = policy.checkpointed_blocks(n)
+        rest = (1, boundary + selective, block) if policy.selective_rest else (1, block, block)
         return [(1, boundary + kept, block)] * m + [rest] * (n - m)
     if name == "ffn":  # the SwiGLU's activations are recomputed inside each block's backward
         return [(1, block - ffn, block)] * n
-    k = group_size(policy, n)
+    k = policy.group_size(n)
     if k is None:
         return None
     return [(min(k, n - i), boundary + min(k, n - i) * kept, min(k, n - i) * block) for i in range(0, n, k)]
@@ -231,7 +234,8 @@ def _backward_walk(groups, block_grads: int, head_saved: int, logits: int, head_
     return max(worst, grads_after + embedding_grads)
 
 
-def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", attention: str = "reference",
+def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: CheckpointPolicy | str = NO_CHECKPOINTING,
+            attention: str = "reference",
             dtype: str = "fp32", fused: bool = False, loss: str = "plain", chunk_tokens: int = 4096,
             state_dtype: str | None = None, optimizer_states: int = 2, with_gradients: bool = True,
             autocast: bool = False) -> MemoryPrediction:
@@ -242,6 +246,7 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: str = "none", att
     its gradient, plus the fp32 dW accumulator); `loss="plain"` materialises fp32 logits and their gradient.
     Gradients are taken as freed before the step (zero_grad(set_to_none=True)) and filled in by backward.
     """
+    policy = CheckpointPolicy.of(policy)
     if autocast:
         raise ValueError("predict: bf16/fp16 autocast over fp32 parameters is not modelled (casts are saved per "
                          "use); model a bf16 model with dtype='bf16' instead")

@@ -28,21 +28,12 @@ are reduce-scattered (averaged) asynchronously; replicated gradients are all-red
 `finish_gradient_synchronization()`, after which every trainable master has a `.grad` of its
 own shape and fp32 dtype (zeros where the layer got no gradient).
 
-Exact mode (`exact_gradients=True`), a correctness mode: a reduce-scatter of per-rank weight
-gradients sums two partial matmuls, which differs from one full-batch matmul in the last
-bits. Here each layer's backward instead all-gathers its inputs and output gradients in rank
-order and reruns the module's own op on the full batch under autograd, exactly as a single
-process would, keeping its shard of the weight gradient and its slice of the input gradient;
-replicated modules (norms) record their inputs and output gradients and get their parameter
-gradients the same way at the end of backward. With per-rank mean losses and W a power of two, the
-averaged gradients are then bitwise those of single-process training. It costs one extra
-forward of each layer and gathers of activations: a mode for tests, not for speed. All
-ranks must hold batches of equal shape.
+Exact mode (`exact_gradients=True`): each layer's gradients are redone on the full batch, bitwise those of
+single-process training; a mode for tests, not for speed (exact_gradients.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -52,38 +43,11 @@ from einops import einsum
 from cs336_basics.model import Embedding, Linear
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import average_coalesced, broadcast_from_rank0
+from cs336_systems.parallel.exact_gradients import ExactGradients, original_forward
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-@contextlib.contextmanager
-def _weight_swapped(module: nn.Module, weight: torch.Tensor):
-    """Run the module class's own forward with `weight` in place of its shard."""
-    shard = module._parameters["weight"]
-    module._parameters["weight"] = weight
-    try:
-        yield
-    finally:
-        module._parameters["weight"] = shard
-
-
-def _original_forward(module: nn.Module, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    if weight is None:
-        return type(module).forward(module, x)
-    with _weight_swapped(module, weight):
-        return type(module).forward(module, x)
-
-
-def _gather_batch(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's x along dim 0, in rank order."""
-    ws = comm.world_size()
-    if ws == 1:
-        return x
-    out = torch.empty((ws * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather_into(out.view(-1), x.contiguous().view(-1))
-    return out
 
 
 @dataclass
@@ -117,6 +81,14 @@ class _GatherGroup:
 
 
 class FSDP(nn.Module):
+    """`module` with its Linear and Embedding weights sharded over the ranks of the default process group (the
+    module docstring says how). Train it as the module itself, then call `finish_gradient_synchronization()`
+    after backward and before the optimizer step; the optimizer sees the shards.
+
+    compute_dtype: the dtype weights are gathered and computed in (None: their own, fp32). exact_gradients:
+    bitwise single-process gradients, for tests (exact_gradients.py). unit: "block" gathers each element of a
+    ModuleList at once, "layer" each weight."""
+
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  exact_gradients: bool = False, unit: str = "block"):
         super().__init__()
@@ -135,11 +107,8 @@ class FSDP(nn.Module):
         self._groups = self._make_groups(module, unit)
         self._replicated = [(n, p) for n, p in module.named_parameters()
                             if p.requires_grad and not any(p is u.shard for u in self._units)]
-        self._replicated_records: list[tuple[nn.Module, torch.Tensor, torch.Tensor]] = []
-        if exact_gradients:
-            for sub in module.modules():
-                if id(sub) not in self._unit_of and any(True for _ in sub.parameters(recurse=False)):
-                    sub.register_forward_hook(self._record_replicated)
+        # Exact mode: every layer's gradients redone on the full batch (exact_gradients.py); None otherwise.
+        self.exact = ExactGradients(module, set(self._unit_of)) if exact_gradients else None
         self._order: list[_GatherGroup] = []  # forward execution order, learned on the first forward
         self._order_known = False
         self.gather_stats = {"ready_before_use": 0, "waited": 0}
@@ -303,37 +272,14 @@ class FSDP(nn.Module):
         for unit in self._units:
             if unit.shard.requires_grad and unit.shard.grad is None:
                 unit.shard.grad = torch.zeros_like(unit.shard)
-        if self.exact_gradients:
-            self._exact_replicated_gradients()
+        if self.exact is not None:
+            self.exact.set_replicated_gradients([p for _, p in self._replicated])
         replicated = [p for _, p in self._replicated]
         for p in replicated:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.world_size > 1 and replicated and not self.exact_gradients:
+        if self.world_size > 1 and replicated and self.exact is None:
             average_coalesced([p.grad for p in replicated])
-
-    # ---- exact mode for replicated modules ----
-    def _record_replicated(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-        """Keep (input, output gradient) of a replicated module; its parameter gradients are redone on the
-        full batch in finish_gradient_synchronization. Its input gradient is left to autograd, so the engine
-        sums gradient contributions in the same order as a single process (sums are not associative)."""
-        if torch.is_grad_enabled() and output.requires_grad:
-            x = inputs[0].detach()
-            output.register_hook(lambda g: self._replicated_records.append((module, x, g.detach())))
-
-    def _exact_replicated_gradients(self) -> None:
-        exact: dict[int, torch.Tensor] = {}
-        for module, x, grad_out in self._replicated_records:
-            x_all, grad_all = _gather_batch(x.contiguous()), _gather_batch(grad_out.contiguous())
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            with torch.enable_grad():
-                grads = torch.autograd.grad(_original_forward(module, x_all), params, grad_all)
-            for p, g in zip(params, grads):
-                exact[id(p)] = exact[id(p)] + g if id(p) in exact else g
-        self._replicated_records.clear()
-        for _, p in self._replicated:
-            if id(p) in exact:
-                p.grad = exact[id(p)] / self.world_size if self.world_size > 1 else exact[id(p)]
 
     # ---- checkpoints ----
     @torch.no_grad()
@@ -360,7 +306,7 @@ class _ShardedForward(torch.autograd.Function):
         recomputing = _in_backward()  # activation checkpointing re-runs forward inside backward
         weight = owner.acquire(unit, backward=False, prefetch=not recomputing)
         x_in = x.to(owner.compute_dtype) if owner.compute_dtype is not None and x.is_floating_point() else x
-        y = _original_forward(unit.module, x_in, weight)
+        y = original_forward(unit.module, x_in, weight)
         ctx.save_for_backward(x)
         ctx.unit, ctx.owner = unit, owner
         # A recomputed layer keeps its weight for the backward that follows (one gather, not two).
@@ -373,8 +319,8 @@ class _ShardedForward(torch.autograd.Function):
         unit, owner = ctx.unit, ctx.owner
         weight = owner.acquire(unit, backward=True)
         x_in = x.to(owner.compute_dtype) if owner.compute_dtype is not None and x.is_floating_point() else x
-        if owner.exact_gradients:
-            grad_x, grad_w = _exact_grads(unit.module, x_in, weight, grad_out)
+        if owner.exact is not None:
+            grad_x, grad_w = owner.exact.layer_gradients(unit.module, x_in, weight, grad_out)
             owner.set_shard_gradient(unit, grad_w)
         else:
             grad_x, grad_w = _local_grads(unit.module, x_in, weight, grad_out)
@@ -394,22 +340,6 @@ def _local_grads(module, x, weight, grad_out):
     grad_w = torch.zeros_like(weight)
     grad_w.index_add_(0, x.reshape(-1), grad_out.reshape(-1, weight.shape[1]).to(weight.dtype))
     return None, grad_w
-
-
-def _exact_grads(module, x, weight, grad_out):
-    """Full-batch gradients by the module's own op under autograd, as one process would compute them."""
-    x_all, grad_all = _gather_batch(x), _gather_batch(grad_out.contiguous())
-    with torch.enable_grad():
-        w = weight.detach().requires_grad_()
-        inputs = [w]
-        x_leaf = x_all.detach()
-        if x_leaf.is_floating_point():
-            x_leaf.requires_grad_()
-            inputs.append(x_leaf)
-        y = _original_forward(module, x_leaf, w)
-        grads = torch.autograd.grad(y, inputs, grad_all)
-    grad_x = grads[1].chunk(comm.world_size())[comm.rank()] if len(grads) > 1 else None
-    return grad_x, grads[0]
 
 
 def fsdp_gather_full_params(model: FSDP) -> dict[str, torch.Tensor]:

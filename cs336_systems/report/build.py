@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.report.document import Document, Heading, Paragraph, Table
-from cs336_systems.report.sections import SECTIONS, Results
+from cs336_systems.report.sections import SECTIONS
+from cs336_systems.report.sections.common import Results
 
 
 def build(results_dir: Path, out_dir: Path) -> Document:

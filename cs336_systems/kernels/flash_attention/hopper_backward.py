@@ -91,7 +91,7 @@ ONE_PASS_HEAD_DIMS: tuple[int, ...] = (128,)
 
 def eligible(q: torch.Tensor) -> bool:
     """Whether inputs like q (device, dtype, head dim) can take the Gluon passes; the caller also checks
-    TMA strides (`function.tma_eligible`). CS336_FLASH_GLUON=0 turns them off (the `tl` passes then run
+    TMA strides (`dispatch.tma_eligible`). CS336_FLASH_GLUON=0 turns them off (the `tl` passes then run
     everywhere)."""
     if os.environ.get("CS336_FLASH_GLUON", "1") == "0" or interpreting():
         return False

@@ -52,7 +52,7 @@ MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * LOG2E.value)  # forward.py's
 # `_refill` took one CTA barrier out of each step).
 FORWARD_CONFIG = {64: (64, 128, 4, 2), 128: (128, 128, 8, 3)}
 FORWARD_RESCALE_EARLY = {64: False, 128: True}
-# Head dims where the default forward is this kernel (`function.forward_launch`): where it measured faster
+# Head dims where the default forward is this kernel (`dispatch.forward_launch`): where it measured faster
 # than forward.py's (above); forward.py's elsewhere.
 GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
 # Of those, the head dims where it is the warp-specialised kernel (`flash_forward_ws_kernel`, below), and its

@@ -19,7 +19,7 @@ Register reallocation (`setmaxnreg`) gives the consumers what the producer does 
 Scope: Hopper, fp16/bf16, head dim 128 (the dQ columns are split between the consumers at a 64-column
 boundary, the 128-byte swizzle's width), `hopper_backward.eligible` inputs with TMA strides, more than one
 query row (`hopper_backward.one_pass_eligible`), any lengths. It is `backward="fused"` at head dim 128
-(`function.backward_launches`), and attention-tune's kernel `fused-gluon-ws`.
+(`dispatch.backward_launches`), and attention-tune's kernel `fused-gluon-ws`.
 """
 
 from __future__ import annotations

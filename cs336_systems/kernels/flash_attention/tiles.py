@@ -7,7 +7,7 @@ Two ways, chosen by the USE_TMA constexpr, behind one pair of helpers so the thr
   the loop advances it, and loads bound-check where MASKED or head_dim < BLOCK_D;
 * a tensor descriptor (Hopper's copy engine), addressed by row: rows past the end and columns
   past head_dim read as zeros; the host checks unit stride along d and 16-byte alignment
-  (`function.tma_eligible`). A TRANSPOSED load transposes the (BLOCK_ROWS, BLOCK_D) tile.
+  (`dispatch.tma_eligible`). A TRANSPOSED load transposes the (BLOCK_ROWS, BLOCK_D) tile.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ left out; a storage saved twice counts once. Rows: total, per module, and per to
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from cs336_basics.model import RMSNorm, TransformerBlock
@@ -24,8 +26,9 @@ from cs336_systems.bench.common import (
     positive_int,
 )
 from cs336_systems.config import ModelConfig, preset_names
-from cs336_systems.memory.checkpointing import parse_policy
+from cs336_systems.memory.policy import CheckpointPolicy
 from cs336_systems.memory.saved_tensors import SavedTensorLog
+from cs336_systems.recipe import Recipe, build_model, build_optimizer
 from cs336_systems.results import ResultStore, format_table
 
 
@@ -43,7 +46,7 @@ def add_arguments(parser) -> None:
     part.add_argument("--rmsnorm", action="store_true", help="one RMSNorm alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the module first")
     parser.add_argument("--top", type=positive_int("--top"), default=10, help="top operations to list")
-    parser.add_argument("--policies", default=None,
+    parser.add_argument("--policies", type=_policy_list, default=None,
                         help="search: comma-separated policies to measure (default: none, every-k over the candidate "
                              "group sizes, nested)")
     parser.add_argument("--steps", type=positive_int("--steps"), default=3, help="search: timed steps (default 3)")
@@ -66,7 +69,7 @@ def run(args) -> int:
             module = RMSNorm(cfg.d_model)
             inputs = torch.randn(args.batch, context, cfg.d_model, requires_grad=True)
         else:
-            module = cfg.build(device=device)
+            module = build_model(cfg, Recipe(), device)
             inputs = torch.randint(0, cfg.vocab_size, (args.batch, context))
     target = torch.compile(module) if args.compile else module
     with SavedTensorLog(module) as log, autocast_context(device, args.dtype):
@@ -109,11 +112,17 @@ def _candidate_group_sizes(n: int) -> list[int]:
     return sorted(ks)
 
 
+def _policy_list(text: str) -> list[CheckpointPolicy]:
+    """argparse type of --policies: comma-separated policies, each parsed once here."""
+    try:
+        return [CheckpointPolicy.parse(p.strip()) for p in text.split(",")]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--policies: {error}") from None
+
+
 def _measure_policy(cfg, policy, args, device):
     """(peak bytes, median step seconds) of a train step under `policy`; CPU peak = retained bytes + state."""
     from cs336_basics.nn_utils import cross_entropy
-    from cs336_basics.optimizer import AdamW
-    from cs336_systems.memory.checkpointing import apply_checkpointing
     from cs336_systems.memory.live_bytes import retained_bytes
     from cs336_systems.profiling.timing import time_fn
 
@@ -121,8 +130,9 @@ def _measure_policy(cfg, policy, args, device):
     # collect them, or their bytes count in this policy's peak.
     free_memory(device)
     torch.manual_seed(0)
-    model = apply_checkpointing(cfg.build(device=device), policy)
-    opt = AdamW(model.parameters(), lr=1e-4)
+    recipe = Recipe(checkpoint=policy)
+    model = build_model(cfg, recipe, device)
+    opt = build_optimizer(model, recipe)
     x = torch.randint(0, cfg.vocab_size, (args.batch, cfg.context_length), device=device)
 
     def step():
@@ -154,18 +164,12 @@ def search(args) -> int:
         args.preset).context_length)
     store = ResultStore("memory", device, args.results_dir)
     rows = []
-    if args.policies:
-        policies = [p.strip() for p in args.policies.split(",")]
-        for policy in policies:
-            try:
-                parse_policy(policy)
-            except ValueError as e:
-                raise SystemExit(f"--policies: {e}") from None
-    else:
-        policies = ["none"] + [f"every-k:{k}" for k in _candidate_group_sizes(cfg.num_layers)] + ["nested"]
+    policies = args.policies or [CheckpointPolicy(), *(CheckpointPolicy("every-k", k)
+                                                      for k in _candidate_group_sizes(cfg.num_layers)),
+                                 CheckpointPolicy("nested")]
     for policy in policies:
         config = dict(preset=args.preset, context=cfg.context_length, batch=args.batch, dtype=args.dtype,
-                      policy=policy)
+                      policy=str(policy))
         predicted = predict(cfg, args.batch, cfg.context_length, policy=policy).peak if args.dtype == "fp32" else None
         failure = None
         try:
@@ -177,7 +181,7 @@ def search(args) -> int:
             free_memory(device)
             store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=failure[0],
                       message=failure[1])
-            rows.append(dict(policy=policy, peak_GiB=failure[0], predicted_GiB=predicted and predicted / 2**30,
+            rows.append(dict(policy=str(policy), peak_GiB=failure[0], predicted_GiB=predicted and predicted / 2**30,
                              step_ms=None))
             continue
         store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", value=peak / 2**30)
@@ -185,7 +189,7 @@ def search(args) -> int:
         if predicted is not None:
             store.add(provider="ours", config=config, metric="predicted_peak_memory", unit="GiB",
                       value=predicted / 2**30)
-        rows.append(dict(policy=policy, peak_GiB=round(peak / 2**30, 4),
+        rows.append(dict(policy=str(policy), peak_GiB=round(peak / 2**30, 4),
                          predicted_GiB=None if predicted is None else round(predicted / 2**30, 4),
                          step_ms=round(seconds * 1e3, 2)))
     import pandas as pd

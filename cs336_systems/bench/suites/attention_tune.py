@@ -226,7 +226,7 @@ def run(args) -> int:
     if args.device.type != "cuda" and not interpreting():
         raise SystemExit("attention-tune: the kernels are timed on a CUDA device; got --device "
                          f"{args.device} (run the tests under TRITON_INTERPRET=1 for CPU checks)")
-    from cs336_systems.bench.attention_suite import attention_fn, measure_pass
+    from cs336_systems.bench.suites.attention import attention_fn, measure_pass
 
     causal = args.causal == "on"
     store = ResultStore("attention-tune", args.device, args.results_dir)

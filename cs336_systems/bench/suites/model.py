@@ -22,8 +22,7 @@ import torch
 from tqdm import tqdm
 
 from cs336_basics.nn_utils import cross_entropy
-from cs336_basics.optimizer import AdamW
-from cs336_systems.attention import attention_names, use_attention
+from cs336_systems.attention import attention_names
 from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer
 from cs336_systems.bench.common import (
     DTYPES,
@@ -36,10 +35,11 @@ from cs336_systems.bench.common import (
     positive_int,
 )
 from cs336_systems.config import ModelConfig, preset_names
-from cs336_systems.memory.checkpointing import apply_checkpointing, parse_policy
+from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 from cs336_systems.profiling.timing import time_fn
+from cs336_systems.recipe import Recipe, attention_context, build_model, build_optimizer, forward_of
 from cs336_systems.results import ResultStore, format_table, pivot_table
 
 MODES = ("forward", "forward-backward", "train-step")
@@ -56,7 +56,7 @@ class ModelCase:
     compile: bool
     provider: str
     attention: str
-    checkpoint: str = "none"
+    checkpoint: CheckpointPolicy = NO_CHECKPOINTING
     fused: bool = False  # our Triton RMSNorm + SwiGLU gate (ours only)
     compile_scope: str = "model"  # with compile: the whole model or each block
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
@@ -109,12 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser)
 
 
-def _checkpoint_policy(text: str) -> str:
+def _checkpoint_policy(text: str) -> CheckpointPolicy:
+    """argparse type of --checkpoint: the policy, parsed once here."""
     try:
-        parse_policy(text)
+        return CheckpointPolicy.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"--checkpoint: {e}") from None
-    return text
 
 
 def _overrides(args) -> dict:
@@ -130,7 +130,7 @@ def cases(args) -> list[ModelCase]:
                                                                       args.compile, args.provider):
         ctx = context or ModelConfig.from_name(preset).context_length
         attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
-        policy = args.checkpoint if provider == "ours" else "none"
+        policy = args.checkpoint if provider == "ours" else NO_CHECKPOINTING
         ours = provider == "ours"
         out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention, policy,
                              fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
@@ -143,35 +143,28 @@ class _Harness:
 
     def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device):
         self.case, self.cfg, self.device = case, cfg, device
-        torch.manual_seed(0)
         if case.provider == "ours":
-            self.model = cfg.build(device=device)
-            if case.fused:
-                from cs336_systems.fused_model import apply_fused_kernels
-
-                apply_fused_kernels(self.model)
-            apply_checkpointing(self.model, case.checkpoint)
-            if case.optimizer == "fused":
-                from cs336_systems.kernels.adamw import FusedAdamW
-
-                self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
-            else:
-                self.optimizer = AdamW(self.model.parameters(), lr=1e-4)
-        else:
+            self.recipe = Recipe(attention=case.attention, fused=case.fused, checkpoint=case.checkpoint,
+                                 compile=case.compile_scope if case.compile else "off", optimizer=case.optimizer)
+            self.model = build_model(cfg, self.recipe, device)
+            self.optimizer = build_optimizer(self.model, self.recipe)
+            self.forward_model = forward_of(self.model, self.recipe)
+        else:  # the PyTorch-native baseline, compiled the same way
+            torch.manual_seed(0)
             with torch.device(device):
                 self.model = BaselineLM(cfg)
             self.optimizer = baseline_optimizer(self.model, device)
-        self.forward_model = self.model
-        if case.compile and case.compile_scope == "block":
-            for block in (self.model.layers if case.provider == "ours" else self.model.blocks):
-                block.compile()  # in place; identical blocks share one compiled graph
-        elif case.compile:
-            self.forward_model = torch.compile(self.model)
+            self.forward_model = self.model
+            if case.compile and case.compile_scope == "block":
+                for block in self.model.blocks:
+                    block.compile()  # in place; identical blocks share one compiled graph
+            elif case.compile:
+                self.forward_model = torch.compile(self.model)
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
         self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
 
     def attention_context(self):
-        return use_attention(self.case.attention) if self.case.provider == "ours" else contextlib.nullcontext()
+        return attention_context(self.recipe) if self.case.provider == "ours" else contextlib.nullcontext()
 
     def step_fn(self, mode: str, phase):
         autocast = autocast_context(self.device, self.case.dtype)
@@ -229,7 +222,8 @@ def _record_failure(store: ResultStore, provider: str, config: dict, metric: str
 
 def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
     device = args.device
-    config = {k: v for k, v in asdict(case).items() if k != "provider"}  # provider is a row field
+    # provider is a row field; the policy is recorded as the string it was given as
+    config = {k: v for k, v in asdict(case).items() if k != "provider"} | {"checkpoint": str(case.checkpoint)}
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
     free_memory(device)
     ranges = PhaseRanges(device, nvtx=args.nvtx, time=True)

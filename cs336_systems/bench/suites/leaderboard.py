@@ -40,15 +40,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import time
 
 import torch
 
-from cs336_basics.nn_utils import cross_entropy
-from cs336_basics.optimizer import AdamW
-from cs336_systems.attention import attention_names, use_attention
+from cs336_systems.attention import attention_names
 from cs336_systems.bench.common import (
     DTYPES,
     add_common_arguments,
@@ -60,30 +59,20 @@ from cs336_systems.bench.common import (
     positive_int,
 )
 from cs336_systems.bench.distributed_common import add_launch_arguments, launch, local_device
+from cs336_systems.bench.leaderboard_step import baseline_step, our_step, verify
 from cs336_systems.config import ModelConfig, preset_names
-from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
-from cs336_systems.memory.checkpointing import (
-    KEEP_ATTENTION,
-    SELECTIVE,
-    apply_checkpointing,
-    keeps_attention,
-    parse_policy,
-    selective_rest,
-)
-from cs336_systems.memory.model import block_activation_bytes, predict, selective_block_bytes
+from cs336_systems.memory.planner import FIT_FRACTION, policy_candidates
+from cs336_systems.memory.policy import CheckpointPolicy
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import VARIANTS as DDP_VARIANTS
-from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges
 from cs336_systems.profiling.timing import bench_kernel, time_fn
+from cs336_systems.recipe import Recipe, attention_context
 from cs336_systems.results import ResultStore, format_table
 
 PROVIDERS = ("ours", "baseline")
 PHASES = ("forward", "loss", "backward", "sync", "optimizer")  # the step's named ranges, in order
-# Of the free memory at start: the allocator's fragmentation and the CUDA context need the rest. 0.95 ran the 8B
-# step at a 133.0 GiB peak on the H200 (predicted 131.2); an out-of-memory falls back to the next policy.
-FIT_FRACTION = 0.95
 
 
 def add_arguments(parser) -> None:
@@ -104,7 +93,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--fused-rope", action=argparse.BooleanOptionalAction, default=None,
                         help="our Triton RoPE too (default: on with --fused on; on the H200 it took the 8B step's "
                              "RoPE from 227 to 33 ms)")
-    parser.add_argument("--checkpoint", default="auto",
+    parser.add_argument("--checkpoint", type=_policy_or_auto, default="auto",
                         help="auto (the memory model's ladder), or a policy: none, every-block, every-k:K, "
                              "partial:M, nested, selective, ...; +keep-attn on the single-level ones keeps "
                              "attention outputs; partial:M[+keep-attn]+selective keeps the other blocks' "
@@ -129,152 +118,37 @@ def add_arguments(parser) -> None:
     add_common_arguments(parser)
 
 
-def recompute_flops(cfg: ModelConfig, batch: int, seq: int, policy: str) -> float:
-    """Forward FLOPs a policy adds to the step (matmuls and causal attention of what it recomputes)."""
-    tokens, d, f, n = batch * seq, cfg.d_model, cfg.d_ff, cfg.num_layers
-    ffn = 2 * tokens * 3 * d * f
-    attention = 2 * batch * seq * seq * d  # causal
-    block = 2 * tokens * 4 * d * d + ffn + attention  # projections, SwiGLU, attention
-    if keeps_attention(policy):  # the recompute reuses the kept attention outputs
-        block -= attention
-    name, arg = parse_policy(policy)
-    if name == "none":
-        return 0.0
-    if name == "ffn":
-        return n * ffn
-    if name == "partial":
-        return min(arg, n) * block
-    if name == "nested":
-        return math.ceil(math.log2(max(n, 2))) * n * block / 2
-    return n * block  # every-block, every-k:K, sqrt: one extra forward
+def _policy_or_auto(text: str) -> CheckpointPolicy | str:
+    """argparse type of --checkpoint: "auto", or a policy parsed once here."""
+    if text == "auto":
+        return text
+    try:
+        return CheckpointPolicy.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--checkpoint: {error}") from None
 
 
-# Pointwise recompute priced against products: on the H200 bf16 matmuls run at about 730-790 TFLOP/s and device
-# copies at about 4 TB/s (../shared/BASELINES.md), so one byte moved costs about 200 FLOPs. Session 4's step
-# suggested several times this; session 5's profile found the excess in a slow RoPE and layout copies (fixed):
-# the forward's pointwise kernels now take about 1.5 ms per block, in line with this price (notes/leaderboard.md).
-POINTWISE_FLOPS_PER_BYTE = 200.0
+def _our_recipe(args, on_cuda: bool) -> Recipe:
+    """Our step's recipe, its defaults resolved for the device (the policy is filled in per rung of the ladder):
+    on CUDA bf16 parameters and state, our Triton attention, fused kernels and fused AdamW (torch's update); on
+    the CPU fp32, the tiled PyTorch attention and the plain pieces. Bad combinations stop here, before work."""
+    param = args.param_dtype or ("bf16" if on_cuda else "fp32")
+    fused = (args.fused or ("on" if on_cuda else "off")) == "on"
+    if fused and not on_cuda:
+        from cs336_systems.kernels._triton_utils import interpreting
+
+        if not interpreting():
+            raise SystemExit("--fused on: our Triton RMSNorm/SwiGLU need CUDA (or TRITON_INTERPRET=1 on CPU)")
+    if args.fused_rope and not fused:
+        raise SystemExit("--fused-rope needs --fused on")
+    return Recipe(attention=args.attention or ("triton" if on_cuda else "pytorch-flash"), fused=fused,
+                  fused_rope=fused if args.fused_rope is None else args.fused_rope, param_dtype=DTYPES[param],
+                  optimizer=args.optimizer or ("fused" if on_cuda else "cs336"), optimizer_maths="torch",
+                  state_dtype=DTYPES[args.state_dtype or ("fp32" if param == "fp32" else "bf16")])
 
 
-def recompute_cost(cfg: ModelConfig, batch: int, seq: int, policy: str, *, attention: str = "flash",
-                   dtype: str = "bf16", fused: bool = True) -> float:
-    """The ladder's sort key, in FLOP-equivalents: `recompute_flops`, plus for each block under selective
-    checkpointing the traffic of its pointwise recompute, taken as twice what it regenerates (its
-    activations less what it keeps: written once, read about once)."""
-    cost = recompute_flops(cfg, batch, seq, policy)
-    if selective_rest(policy):
-        rest = cfg.num_layers - min(parse_policy(policy)[1], cfg.num_layers)
-        regenerated = (block_activation_bytes(cfg, batch, seq, attention, dtype, fused)
-                       - selective_block_bytes(cfg, batch, seq, attention, dtype))
-        cost += rest * 2 * regenerated * POINTWISE_FLOPS_PER_BYTE
-    return cost
-
-
-def policy_candidates(cfg: ModelConfig, batch: int, seq: int, device: torch.device, *, dtype: str, state_dtype: str,
-                      attention: str, fused: bool, chunk_tokens: int, fit_fraction: float = FIT_FRACTION) -> list[str]:
-    """Policies from least to most recompute (`recompute_cost`: none, ffn, partial:1 .. partial:N-1,
-    every-block, nested; the +keep-attn variants, which recompute no attention at a few hundred MiB per
-    block; and `selective` / partial:M+keep-attn+selective, whose other blocks keep their products for a
-    pointwise-only recompute): the first the memory model says fits in `fit_fraction` of the free memory,
-    then, as fallbacks after an out-of-memory, the costlier ones predicted to need less memory than it."""
-    n = cfg.num_layers
-    kind = "flash" if attention.startswith(("triton", "pytorch-flash")) else "reference"
-    single = [*(f"partial:{m}" for m in range(1, n)), "every-block"]
-    selective = ["selective", *(f"partial:{m}{KEEP_ATTENTION}{SELECTIVE}" for m in range(1, n))]
-    ladder = sorted(["none", "ffn", *single, *(p + KEEP_ATTENTION for p in single), *selective, "nested"],
-                    key=lambda p: recompute_cost(cfg, batch, seq, p, attention=kind, dtype=dtype, fused=fused))
-    if device.type != "cuda":
-        return ladder[:1]
-    free, _ = torch.cuda.mem_get_info(device)
-    peaks = [predict(cfg, batch, seq, policy=policy, attention=kind, dtype=dtype, fused=fused, loss="fused",
-                     chunk_tokens=chunk_tokens, state_dtype=state_dtype).peak for policy in ladder]
-    for i, peak in enumerate(peaks):
-        if peak < fit_fraction * free:
-            return [ladder[i], *(p for p, q in zip(ladder[i + 1:], peaks[i + 1:]) if q < peak)]
-    return ladder[-1:]
-
-
-def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's forward up to (not including) the LM head: embeddings, blocks, final norm."""
-    h = model.token_embeddings(tokens)
-    for layer in model.layers:
-        h = layer(h)
-    return model.ln_final(h)
-
-
-def _build(cfg, device, dtype, policy, fused, fused_rope=False):
-    torch.manual_seed(0)
-    model = cfg.build(device=device, dtype=dtype)
-    if fused:
-        from cs336_systems.fused_model import apply_fused_kernels
-
-        apply_fused_kernels(model, rope=fused_rope)
-    return apply_checkpointing(model, policy)
-
-
-def _optimizer(kind: str, model, state_dtype: torch.dtype):
-    if kind == "fused":
-        from cs336_systems.kernels.adamw import FusedAdamW
-
-        return FusedAdamW(model.parameters(), lr=1e-4, maths="torch", state_dtype=state_dtype)
-    return AdamW(model.parameters(), lr=1e-4)
-
-
-def _training_step(optimizer, forward, loss_fn, phase, ddp=None):
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        if ddp is not None:
-            ddp.on_train_batch_start()
-        with phase("forward"):
-            h = forward()
-        with phase("loss"):
-            loss = loss_fn(h)
-        with phase("backward"):
-            loss.backward()
-        if ddp is not None:
-            with phase("sync"):  # what is left of the all-reduces once backward is done
-                ddp.finish_gradient_synchronization()
-        with phase("optimizer"):
-            optimizer.step()
-        return loss
-    return step
-
-
-def _timed_and_plain(optimizer, forward, loss_fn, ddp=None):
-    """build(phase) -> (the step with phase ranges, the same step without): what _measure times."""
-    def build(phase):
-        return (_training_step(optimizer, forward, loss_fn, phase, ddp),
-                _training_step(optimizer, forward, loss_fn, lambda name: contextlib.nullcontext(), ddp))
-    return build
-
-
-def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused, fused_rope=False) -> dict[str, float]:
-    """Relative errors (vs an fp64 plain step) of our step and of the plain step at `dtype`."""
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=device,
-                           generator=torch.Generator(device).manual_seed(3))
-    targets = torch.roll(tokens, -1, dims=1)
-
-    def grads_of(run_dtype, ours: bool):
-        model = _build(cfg, device, run_dtype, policy if ours else "none", fused and ours, fused_rope and ours)
-        with use_attention(attention if ours else "reference"):
-            if ours:
-                loss = lm_head_cross_entropy(hidden_states(model, tokens), model.lm_head.weight, targets,
-                                             chunk_tokens=chunk_tokens)
-            else:
-                logits = model(tokens)
-                loss = cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
-            loss.backward()
-        return loss.detach().double(), [p.grad.double() for p in model.parameters()]
-
-    exact_loss, exact = grads_of(torch.float64, ours=False)
-    out = {}
-    for name, ours in (("ours", True), ("plain", False)):
-        loss, grads = grads_of(dtype, ours)
-        num = sum(((g - e) ** 2).sum() for g, e in zip(grads, exact))
-        den = sum((e**2).sum() for e in exact)
-        out[f"{name}_grad_rel_error"] = float((num / den).sqrt())
-        out[f"{name}_loss_abs_error"] = float((loss - exact_loss).abs())
-    return out
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
 
 
 def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak) -> dict:
@@ -348,50 +222,6 @@ def _bench_in_lockstep(step, device, warmup_ms: float, rep_ms: float):
     return time_fn(step, warmup=warmup, steps=steps, device=device)
 
 
-def _ours(cfg, args, device, tokens, targets, policy, settings):
-    dtype = DTYPES[settings["param_dtype"]]
-    model = _build(cfg, device, dtype, policy, settings["fused"], settings["fused_rope"])
-    # Several ranks: our DDP (its hooks sit on the parameters, so the forward below needs no wrapper call).
-    ddp = make_ddp(model, args.ddp) if comm.world_size() > 1 else None
-    optimizer = _optimizer(settings["optimizer"], model, DTYPES[settings["state_dtype"]])
-
-    def loss_fn(h):
-        return lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=args.chunk_tokens)
-
-    return _timed_and_plain(optimizer, lambda: hidden_states(model, tokens), loss_fn, ddp)
-
-
-class _HiddenStates(torch.nn.Module):
-    """The baseline LM's forward up to the hidden states, as a module torch's DDP can wrap (its reducer
-    is armed in forward); the LM head is used by the chunked loss after it."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, tokens):
-        return self.lm.hidden(tokens)
-
-
-def _baseline(cfg, args, device, tokens, targets, settings):
-    from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer, chunked_cross_entropy
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = BaselineLM(cfg, checkpoint_blocks=True)
-    model.to(dtype=DTYPES[settings["param_dtype"]])
-    optimizer = baseline_optimizer(model, device)
-    forward = lambda: model.hidden(tokens)  # noqa: E731
-    if comm.world_size() > 1:  # a baseline: torch's own DDP
-        wrapped = torch.nn.parallel.DistributedDataParallel(_HiddenStates(model), gradient_as_bucket_view=True)
-        forward = lambda: wrapped(tokens)  # noqa: E731
-
-    def loss_fn(h):
-        return chunked_cross_entropy(model, h, targets, args.chunk_tokens)
-
-    return _timed_and_plain(optimizer, forward, loss_fn)
-
-
 def run(args) -> int:
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
     if (under_torchrun or args.world_size > 1) and args.verify:
@@ -410,6 +240,36 @@ class _NoRows:
         return {}
 
 
+def _verify(store, cfg, device, recipe: Recipe, policy: CheckpointPolicy, args, config: dict) -> None:
+    """--verify: our step's gradients against an fp64 plain step, within twice the plain step's own error."""
+    dtype = recipe.param_dtype
+    errors = verify(cfg, device, dtype, recipe.attention, policy, args.chunk_tokens, recipe.fused, recipe.fused_rope)
+    for metric, value in errors.items():
+        store.add(provider="ours" if metric.startswith("ours") else "plain",
+                  config=config | dict(checkpoint=str(policy)), metric=metric, unit="", value=value)
+    budget = 2 * errors["plain_grad_rel_error"] + 2 * torch.finfo(dtype).eps
+    ok = errors["ours_grad_rel_error"] <= budget
+    print(f"verify: gradient relative error ours {errors['ours_grad_rel_error']:.2e}, plain "
+          f"{errors['plain_grad_rel_error']:.2e} (budget {budget:.2e}): {'ok' if ok else 'FAILED'}")
+    if not ok:
+        raise SystemExit("leaderboard --verify: our step's gradients are outside the error budget")
+
+
+def _print_summary(store, summaries: list[dict], config: dict, recipe: Recipe, wall: float, args) -> None:
+    import pandas as pd
+
+    table = pd.DataFrame(summaries)
+    if {"ours", "baseline"} <= set(table.get("provider", [])):
+        ours_ms = table.loc[table.provider == "ours", "step_ms"].iloc[0]
+        base_ms = table.loc[table.provider == "baseline", "step_ms"].iloc[0]
+        store.add(provider="ours", config=config, metric="speedup_vs_baseline", unit="x", value=base_ms / ours_ms)
+        print(f"ours {ours_ms:.1f} ms vs baseline {base_ms:.1f} ms: {base_ms / ours_ms:.3f}x")
+    if len(table):
+        print(format_table(table.round(2), "latex" if args.latex else "markdown"))
+    print(f"\nwall time {wall:.0f} s; attention {recipe.attention}, fused {recipe.fused}, optimizer "
+          f"{recipe.optimizer}; rows appended to {store.path}")
+
+
 def _run_rank(args) -> int:
     started = time.perf_counter()
     distributed = comm.world_size() > 1
@@ -417,53 +277,25 @@ def _run_rank(args) -> int:
         args.device = local_device(args)
     device: torch.device = args.device
     on_cuda = device.type == "cuda"
-    dtype_name = args.param_dtype or ("bf16" if on_cuda else "fp32")
-    state_name = args.state_dtype or ("fp32" if dtype_name == "fp32" else "bf16")
-    attention = args.attention or ("triton" if on_cuda else "pytorch-flash")
-    fused = (args.fused or ("on" if on_cuda else "off")) == "on"
-    optimizer_kind = args.optimizer or ("fused" if on_cuda else "cs336")
+    recipe = _our_recipe(args, on_cuda)
+    dtype_name, state_name = _dtype_name(recipe.param_dtype), _dtype_name(recipe.state_dtype)
     seq = args.context or ModelConfig.from_name(args.preset).context_length
     cfg = ModelConfig.from_name(args.preset, context_length=seq)
-    if args.checkpoint != "auto":
-        try:
-            parse_policy(args.checkpoint)
-        except ValueError as e:
-            raise SystemExit(f"--checkpoint: {e}") from None
-    if fused and not on_cuda:
-        from cs336_systems.kernels._triton_utils import interpreting
-
-        if not interpreting():
-            raise SystemExit("--fused on: our Triton RMSNorm/SwiGLU need CUDA (or TRITON_INTERPRET=1 on CPU)")
     if on_cuda:
         with contextlib.suppress(Exception):  # fewer fragmentation OOMs near the limit; absent in old torch
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    if args.fused_rope and not fused:
-        raise SystemExit("--fused-rope needs --fused on")
-    args.fused_rope = fused if args.fused_rope is None else args.fused_rope
-    settings = dict(param_dtype=dtype_name, state_dtype=state_name, fused=fused, fused_rope=args.fused_rope,
-                    optimizer=optimizer_kind)
     store = ResultStore("leaderboard", device, args.results_dir) if comm.rank() == 0 else _NoRows()
     base_config = dict(preset=args.preset, context=seq, batch=args.batch, param_dtype=dtype_name,
                        state_dtype=state_name, chunk_tokens=args.chunk_tokens)
     if distributed:  # batch is per rank: one sequence per GPU is --batch 1
         base_config |= dict(world_size=comm.world_size(), ddp=args.ddp)
-    our_config = base_config | dict(attention=attention, fused=fused, fused_rope=args.fused_rope,
-                                    optimizer=optimizer_kind)
-    candidates = ([args.checkpoint] if args.checkpoint != "auto" else policy_candidates(
-        cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=attention, fused=fused,
-        chunk_tokens=args.chunk_tokens, fit_fraction=args.fit_fraction))
+    our_config = base_config | dict(attention=recipe.attention, fused=recipe.fused, fused_rope=recipe.fused_rope,
+                                    optimizer=recipe.optimizer)
+    candidates = ([args.checkpoint] if isinstance(args.checkpoint, CheckpointPolicy) else policy_candidates(
+        cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=recipe.attention,
+        fused=recipe.fused, chunk_tokens=args.chunk_tokens, fit_fraction=args.fit_fraction))
     if args.verify:
-        errors = verify(cfg, device, DTYPES[dtype_name], attention, candidates[0], args.chunk_tokens, fused,
-                        args.fused_rope)
-        for metric, value in errors.items():
-            store.add(provider="ours" if metric.startswith("ours") else "plain",
-                      config=our_config | dict(checkpoint=candidates[0]), metric=metric, unit="", value=value)
-        budget = 2 * errors["plain_grad_rel_error"] + 2 * torch.finfo(DTYPES[dtype_name]).eps
-        ok = errors["ours_grad_rel_error"] <= budget
-        print(f"verify: gradient relative error ours {errors['ours_grad_rel_error']:.2e}, plain "
-              f"{errors['plain_grad_rel_error']:.2e} (budget {budget:.2e}): {'ok' if ok else 'FAILED'}")
-        if not ok:
-            raise SystemExit("leaderboard --verify: our step's gradients are outside the error budget")
+        _verify(store, cfg, device, recipe, candidates[0], args, our_config)
     matmul_peak = measure_matmul_peak(device) if on_cuda else None
     if matmul_peak:  # MFU's denominator, measured in this run (it drifts with clocks and heat by up to ~10 %)
         store.add(provider="suite", config=our_config, metric="matmul_ceiling", unit="TFLOP/s",
@@ -477,15 +309,16 @@ def _run_rank(args) -> int:
         candidates = choice
     summaries = []
     for provider in args.provider:
-        policies = candidates if provider == "ours" else ["every-block"]
+        policies = candidates if provider == "ours" else [CheckpointPolicy("every-block")]
         for policy in policies:
             config = (our_config if provider == "ours" else base_config | dict(attention="sdpa", fused=False,
                                                                                  optimizer="torch-fused"))
-            config = config | dict(checkpoint=policy)
+            config = config | dict(checkpoint=str(policy))
+            rung = dataclasses.replace(recipe, checkpoint=policy)
             try:
-                with use_attention(attention) if provider == "ours" else contextlib.nullcontext():
-                    build = (_ours(cfg, args, device, tokens, targets, policy, settings) if provider == "ours"
-                             else _baseline(cfg, args, device, tokens, targets, settings))
+                with attention_context(rung) if provider == "ours" else contextlib.nullcontext():
+                    build = (our_step(cfg, args, device, tokens, targets, rung) if provider == "ours"
+                             else baseline_step(cfg, args, device, tokens, targets, rung))
                     summaries.append(_measure(store, provider, config, cfg, args, device, build, matmul_peak))
                 break
             except Exception as error:  # out of memory is a result: record it, then try more checkpointing
@@ -502,18 +335,6 @@ def _run_rank(args) -> int:
                 free_memory(device)
     wall = time.perf_counter() - started
     store.add(provider="suite", config=our_config, metric="command_wall_time", unit="s", value=wall)
-    if comm.rank() != 0:
-        return 0
-    import pandas as pd
-
-    table = pd.DataFrame(summaries)
-    if {"ours", "baseline"} <= set(table.get("provider", [])):
-        ours_ms = table.loc[table.provider == "ours", "step_ms"].iloc[0]
-        base_ms = table.loc[table.provider == "baseline", "step_ms"].iloc[0]
-        store.add(provider="ours", config=our_config, metric="speedup_vs_baseline", unit="x", value=base_ms / ours_ms)
-        print(f"ours {ours_ms:.1f} ms vs baseline {base_ms:.1f} ms: {base_ms / ours_ms:.3f}x")
-    if len(table):
-        print(format_table(table.round(2), "latex" if args.latex else "markdown"))
-    print(f"\nwall time {wall:.0f} s; attention {attention}, fused {fused}, optimizer {optimizer_kind}; "
-          f"rows appended to {store.path}")
+    if comm.rank() == 0:
+        _print_summary(store, summaries, our_config, recipe, wall, args)
     return 0

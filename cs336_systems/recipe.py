@@ -1,0 +1,102 @@
+"""Our training stack, assembled in one place: every suite that runs "ours" builds it here.
+
+A `Recipe` says which of our pieces a run uses; `build_model` applies them to a fresh model in one order, and
+`build_optimizer` / `attention_context` / `wrap_data_parallel` give the rest. The order, and why:
+
+1. parameters in their dtype (bf16 for the leaderboard), created on the device: billions of parameters
+   initialised on the CPU first take minutes;
+2. fused kernels (RMSNorm, SwiGLU gate, RoPE) replace module forwards, so what comes later wraps them;
+3. attention is chosen by name at run time (`attention_context(recipe)`, a context that swaps the model's attention
+   function): it is a module global, not a module, so it composes with every step here;
+4. activation checkpointing wraps the (fused) block forwards: the recompute then runs our kernels too;
+5. torch.compile last among the model's own changes, so it traces the forwards as they will run;
+6. data parallelism (`wrap_data_parallel`) after all of them: its hooks sit on the final parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from cs336_basics.optimizer import AdamW
+from cs336_systems.attention import use_attention
+from cs336_systems.config import ModelConfig
+from cs336_systems.memory.checkpointing import apply_checkpointing
+from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
+
+COMPILE_SCOPES = ("off", "model", "block")
+OPTIMIZERS = ("cs336", "fused")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Which of our pieces a run uses (the defaults: the plain cs336_basics model and AdamW)."""
+
+    attention: str = "reference"  # a name from attention.attention_names()
+    fused: bool = False  # our Triton RMSNorm and SwiGLU gate
+    fused_rope: bool = False  # our Triton RoPE too (needs `fused`)
+    checkpoint: CheckpointPolicy = NO_CHECKPOINTING
+    compile: str = "off"  # off, model (torch.compile of the whole model) or block (each block, in place)
+    param_dtype: torch.dtype | None = None  # None: the model's default, fp32
+    optimizer: str = "cs336"  # cs336 (cs336_basics' AdamW) or fused (our FusedAdamW)
+    optimizer_maths: str = "cs336"  # FusedAdamW's update: cs336 (as cs336_basics) or torch (as torch.optim)
+    state_dtype: torch.dtype = torch.float32  # FusedAdamW's moment dtype
+    lr: float = 1e-4
+
+    def __post_init__(self):
+        if self.compile not in COMPILE_SCOPES:
+            raise ValueError(f"Recipe: compile must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"Recipe: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.fused_rope and not self.fused:
+            raise ValueError("Recipe: fused_rope needs fused")
+        if not isinstance(self.checkpoint, CheckpointPolicy):
+            raise TypeError(f"Recipe: checkpoint must be a CheckpointPolicy (CheckpointPolicy.parse(text)), got "
+                            f"{type(self.checkpoint).__name__}")
+
+
+def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """A fresh model of `cfg` with the recipe's pieces applied, in the order the module docstring gives (compile
+    "block" compiles each block in place here; compile "model" is `forward_of`'s, which wraps the whole model)."""
+    torch.manual_seed(seed)
+    model = cfg.build(device=device, dtype=recipe.param_dtype)
+    if recipe.fused:
+        from cs336_systems.fused_model import apply_fused_kernels  # (imports Triton)
+
+        apply_fused_kernels(model, rope=recipe.fused_rope)
+    apply_checkpointing(model, recipe.checkpoint)
+    if recipe.compile == "block":
+        for block in model.layers:
+            block.compile()  # in place; identical blocks share one compiled graph
+    return model
+
+
+def forward_of(model: nn.Module, recipe: Recipe) -> nn.Module:
+    """What to call for the model's forward: torch.compile of the whole model where compile is "model"."""
+    return torch.compile(model) if recipe.compile == "model" else model
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    if recipe.optimizer == "fused":
+        from cs336_systems.kernels.adamw import FusedAdamW  # (imports Triton)
+
+        return FusedAdamW(model.parameters(), lr=recipe.lr, maths=recipe.optimizer_maths,
+                          state_dtype=recipe.state_dtype)
+    return AdamW(model.parameters(), lr=recipe.lr)
+
+
+def attention_context(recipe: Recipe) -> contextlib.AbstractContextManager:
+    """The context in which the model runs the recipe's attention."""
+    return use_attention(recipe.attention)
+
+
+def wrap_data_parallel(model: nn.Module, variant: str):
+    """Our DDP over the default process group where there are several ranks (None at world size 1): its hooks
+    sit on the parameters, so the model's forward is called as before."""
+    from cs336_systems.parallel import comm
+    from cs336_systems.parallel.ddp import make_ddp
+
+    return make_ddp(model, variant) if comm.world_size() > 1 else None

@@ -1,0 +1,87 @@
+"""What every report section uses: the loaded result frames (`Results`), the latest run of each
+configuration, the environment line under a table, and the ours-vs-baseline tables of the model suite."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from cs336_systems.report.document import Document, Paragraph
+from cs336_systems.results import load_rows, rows_to_frame
+
+
+@dataclass
+class Results:
+    frames: dict[str, pd.DataFrame]
+    results_dir: Path
+    figures_dir: Path
+    missing: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, results_dir: Path, figures_dir: Path) -> Results:
+        frames = {p.stem: rows_to_frame(load_rows(p)) for p in sorted(results_dir.glob("*.jsonl"))}
+        figures_dir.mkdir(parents=True, exist_ok=True)
+        return cls(frames, results_dir, figures_dir)
+
+    def frame(self, suite: str) -> pd.DataFrame:
+        return self.frames.get(suite, pd.DataFrame())
+
+    def copy_figure(self, name: str) -> str | None:
+        """Copy a committed PNG into the report's figures; its path relative to the report, or None."""
+        source = self.results_dir / name
+        if not source.exists():
+            return None
+        shutil.copy(source, self.figures_dir / name)
+        return f"figures/{name}"
+
+    def note_missing(self, doc: Document, section: str, what: str) -> None:
+        self.missing.append((section, what))
+        doc.add(Paragraph(f"Missing: {what}."))
+
+def environment(frame: pd.DataFrame) -> str:
+    """'measured on X (torch a, triton b), commits c, d' for the rows of a table."""
+    if frame.empty:
+        return "no rows"
+    parts = []
+    for (device, torch_v, triton_v), rows in frame.groupby(["device_name", "torch", "triton"], dropna=False):
+        commits = ", ".join(sorted({str(c)[:10] for c in rows["git_commit"]}))
+        parts.append(f"{device} (torch {torch_v}, triton {triton_v}; commit {commits})")
+    return "Measured on " + "; ".join(parts) + "."
+
+def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """The newest row of each configuration (re-runs append; the last one counts)."""
+    keys = [k for k in keys if k in frame.columns]
+    return frame.sort_values("timestamp").drop_duplicates(keys, keep="last")
+
+def col(frame: pd.DataFrame, name: str, default=None) -> pd.Series:
+    return frame[name] if name in frame.columns else pd.Series(default, index=frame.index)
+
+def ms(value) -> str:
+    return "-" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.1f}"
+
+def eager_reference_rows(model: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the plain model suite: reference attention (or the baseline's SDPA), no checkpointing,
+    no fused kernels, cs336 AdamW for ours, batch 4, context 512, whole-step timings."""
+    if model.empty:
+        return model
+    m = model[(model["metric"] == "time") & (model["context"] == 512)]
+    m = m[col(m, "checkpoint", "none").fillna("none") == "none"]
+    m = m[col(m, "fused", False).fillna(False) == False]  # noqa: E712
+    m = m[col(m, "attention").isin(["reference", "sdpa"])]
+    return m
+
+def ours_vs_baseline(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+    rows = latest(rows, index + ["provider"])
+    wide = rows.pivot_table(index=index, columns="provider", values="median", aggfunc="last").reset_index()
+    spread = rows.pivot_table(index=index, columns="provider", values="std", aggfunc="last").reset_index()
+    for provider in ("ours", "baseline"):
+        if provider in wide:
+            wide[f"{provider} ms (mean±std)"] = [
+                f"{m:.1f} ± {s:.1f}" if not np.isnan(m) else "-" for m, s in zip(wide[provider], spread[provider])]
+    if {"ours", "baseline"} <= set(wide.columns):
+        wide["ours / baseline"] = (wide["ours"] / wide["baseline"]).round(2)
+    return wide.drop(columns=[c for c in ("ours", "baseline") if c in wide.columns])

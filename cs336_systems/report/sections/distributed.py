@@ -1,0 +1,110 @@
+"""Sections: distributed_communication_single_node, the DDP variants, optimizer-state sharding and FSDP,
+and communication_accounting (calculators)."""
+
+from __future__ import annotations
+
+from cs336_systems.analysis import collectives, ddp_overhead, memory, parallelism
+from cs336_systems.report.document import Code, Document, Figure, Heading, Paragraph, Table
+from cs336_systems.report.sections.common import Results, environment, latest
+
+
+def distributed_communication(doc: Document, r: Results) -> None:
+    doc.add(Heading("distributed_communication_single_node: collectives"))
+    coll = r.frame("collectives")
+    if coll.empty:
+        r.note_missing(doc, "distributed_communication_single_node", "collectives rows")
+    else:
+        t = latest(coll[coll["metric"] == "time"], ["op", "size_mb", "world_size", "backend", "dtype"])
+        wide = t.pivot_table(index=["backend", "op", "size_mb"], columns="world_size", values="median").reset_index()
+        doc.add(Paragraph("`cs336-bench collectives` (fp32 tensors, median ms). " + environment(t)))
+        doc.add(Table(wide.round(2), "median ms per collective, columns: world size"))
+        path = r.copy_figure("collectives_cpu_gloo.png")
+        if path:
+            doc.add(Figure(path, "time and bus bandwidth against size (gloo on CPU processes)"))
+        doc.add(Paragraph("On gloo over 2 CPU cores the small sizes are latency-bound (time nearly flat up to "
+                          "~1 MB) and the large ones bandwidth-bound (time linear in size); more ranks than cores "
+                          "oversubscribe the machine, so these are not GPU figures."))
+    r.missing.append(("distributed_communication_single_node", "NCCL on 2/4/6 GPUs (issue 9: no multi-GPU machine)"))
+    doc.add(Paragraph("The bandwidth model (`cs336-analyze collective`), 1 GB over N devices at W = 450 GB/s "
+                      "egress (an illustrative NVLink-class figure, not a measurement):"))
+    doc.add(Code("\n".join(str(collectives.collective_time(k, 1e9, n, 4.5e11))
+                           + f"   (N={n})" for n in (2, 8) for k in collectives.COLLECTIVES)))
+
+
+def ddp(doc: Document, r: Results) -> None:
+    doc.add(Heading("naive_ddp / minimal_ddp_flat / ddp_overlap / ddp_bucketed benchmarking"))
+    frame = r.frame("ddp")
+    if frame.empty:
+        r.note_missing(doc, "ddp", "ddp rows")
+    else:
+        rows = latest(frame[frame["metric"].isin(["step_time", "exposed_comm_time"])],
+                      ["metric", "variant", "bucket_mb", "world_size", "preset", "backend", "provider"])
+        wide = rows.pivot_table(index=["backend", "world_size", "preset", "provider", "variant", "bucket_mb"],
+                                columns="metric", values="median", dropna=False).reset_index().dropna(
+            subset=["step_time"])
+        doc.add(Paragraph("`cs336-bench ddp` (ms per step; exposed communication = time after backward spent "
+                          "waiting on gradients). " + environment(rows)))
+        doc.add(Table(wide.round(2)))
+    r.missing.append(("ddp_bucketed_benchmarking", "xl on 2 GPUs with NCCL (issue 10)"))
+    s, w, o = 2.0e9 * 4, 1e11, 5e-5
+    doc.add(Paragraph("The overhead model (`cs336-analyze bucket`): with n_b equal buckets, the last bucket's "
+                      "all-reduce is exposed and every call costs o, so overhead = s/(n_b w) + n_b o, minimised at "
+                      "bucket size sqrt(s w o). For xl's fp32 gradients (s = 8 GB) at w = 100 GB/s and o = 50 us "
+                      "(illustrative inputs):"))
+    doc.add(Code("\n".join(str(c) for c in ddp_overhead.optimal_bucket(s, w, o))))
+
+
+def sharding_and_fsdp(doc: Document, r: Results) -> None:
+    doc.add(Heading("optimizer_state_sharding_accounting and FSDP"))
+    shard = r.frame("sharding")
+    if not shard.empty:
+        rows = latest(shard, ["metric", "optimizer", "world_size", "preset", "backend"])
+        wide = rows.pivot_table(index=["backend", "world_size", "preset", "optimizer"], columns="metric",
+                                values="median").reset_index()
+        doc.add(Paragraph("`cs336-bench sharding` (bytes per rank in MiB, step ms). " + environment(rows)))
+        doc.add(Table(wide.round(2)))
+    fsdp = r.frame("fsdp")
+    if not fsdp.empty:
+        rows = latest(fsdp[fsdp["metric"] == "step_time"], ["provider", "provider_kind", "compute_dtype",
+                                                            "world_size", "preset"])
+        doc.add(Paragraph("`cs336-bench fsdp`: step ms, ours vs torch FSDP2. " + environment(rows)))
+        doc.add(Table(rows[["backend", "world_size", "preset", "provider", "provider_kind", "compute_dtype",
+                            "median"]].rename(columns={"median": "step ms"}).round(1)))
+        wide = rows.pivot_table(index=["world_size", "compute_dtype"], columns="provider_kind", values="median")
+        if {"fsdp", "torch-fsdp2"} <= set(wide.columns):
+            ratio = (wide["fsdp"] / wide["torch-fsdp2"]).round(2)
+            doc.add(Paragraph("Our FSDP step / FSDP2's: " + ", ".join(
+                f"{n} ranks {d}: {v}x" for (n, d), v in ratio.items()) + ". `fsdp` gathers and reduce-scatters "
+                "one block at a time (like FSDP2's per-block groups); `fsdp-layer`, one collective per weight, "
+                "shows what that grouping is worth on gloo."))
+    r.missing.append(("optimizer_state_sharding / fsdp", "xl on 2 GPUs (issue 10)"))
+
+
+def communication_accounting(doc: Document, r: Results) -> None:
+    doc.add(Heading("communication_accounting: the XXL model, FSDP x TP"))
+    state = memory.training_state(16384, 53248, 126, tokens=1, device_bytes=80e9)
+    doc.add(Paragraph("XXL: d_model 16384, d_ff 53248, 126 blocks of two linear layers; fp32 master weights, "
+                      "gradients and AdamW state, bf16 activations (per token and block D + F saved inputs). "
+                      "(`cs336-analyze memory`)"))
+    doc.add(Code("\n".join(str(c) for c in state)))
+    by_name = {c.name: c.value for c in state}
+    doc.add(Code("\n".join(str(c) for c in memory.fsdp_shards_to_fit(by_name["state_total"], by_name["activations"],
+                                                                     95e9))))
+    doc.add(Paragraph("Activations scale with the tokens in flight (shown for one token: multiply by the batch x "
+                      "context). Forward pass on a v5p mesh, X = 16 (FSDP, M_X = 2) x Y = 4 (TP, M_Y = 1), "
+                      "C = 4.6e14 FLOP/s, W = 1.8e11 B/s (`cs336-analyze mesh-batch`):"))
+    doc.add(Code("\n".join(str(c) for c in parallelism.compute_bound_batch_fsdp_tp(53248, 4.6e14, 1.8e11, 16, 4, 2,
+                                                                                   1))))
+    doc.add(Paragraph("One XXL FFN layer, 65,536 tokens on 64 v5p chips, per strategy (`cs336-analyze ffn`):"))
+    lines = [str(c) for c in parallelism.ffn_flops(65536, 16384, 53248)]
+    for strategy in ("dp", "fsdp", "tp"):
+        lines += [f"{strategy}: {c}" for c in parallelism.ffn_costs(strategy, 65536, 16384, 53248, 64, 4.6e14,
+                                                                      1.8e11)]
+        lines += [str(parallelism.max_devices_before_comm_dominates(strategy, 65536, 16384, 53248, 4.6e14, 1.8e11,
+                                                                    overlapped=o)) for o in (True, False)]
+    lines += [f"fsdp-tp: {c}" for c in parallelism.ffn_costs("fsdp-tp", 65536, 16384, 53248, 64, 4.6e14, 1.8e11,
+                                                            mesh=(16, 4))]
+    doc.add(Code("\n".join(lines)))
+    doc.add(Paragraph("To train with a smaller global batch: keep FSDP's axis short and add tensor (or sequence) "
+                      "parallelism, overlap each layer's all-gather with the previous layer's compute, communicate "
+                      "in bf16, and use activation checkpointing so a smaller per-device batch still fits."))

@@ -1,0 +1,180 @@
+"""Sections: benchmarking_script, nsys_profile, mixed_precision_accumulation, memory_profiling, and
+torch_compile (the model suite compiled)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
+from cs336_systems.report.sections.common import (
+    Results,
+    col,
+    eager_reference_rows,
+    environment,
+    latest,
+    ours_vs_baseline,
+)
+
+
+def benchmarking_script(doc: Document, r: Results) -> None:
+    doc.add(Heading("benchmarking_script: forward, backward and training-step timings"))
+    model = eager_reference_rows(r.frame("model"))
+    eager = model[(col(model, "compile") == False) & (col(model, "dtype") == "fp32")]  # noqa: E712
+    if eager.empty:
+        return r.note_missing(doc, "benchmarking_script", "eager fp32 model-suite rows (GPU)")
+    table = ours_vs_baseline(eager, ["preset", "mode"])
+    order = {p: i for i, p in enumerate(["small", "medium", "large", "xl", "10B"])}
+    table = table.sort_values(["preset", "mode"], key=lambda s: s.map(order) if s.name == "preset" else s)
+    doc.add(Paragraph("`cs336-bench model --preset small,medium,large,xl --dtype fp32 --provider ours,baseline` "
+                      "(batch 4, context 512, 3 warm-up and 8 timed steps; `ours` is the cs336_basics model with "
+                      "the staff-equivalent attention and AdamW, `baseline` the PyTorch-native LM with SDPA and "
+                      "fused AdamW). " + environment(eager)))
+    doc.add(Table(table, "median ms; mean ± std over the timed steps"))
+    first = latest(eager[eager["provider"] == "ours"], ["preset", "mode"])
+    calls = r.frame("model")
+    calls = calls[(calls["metric"] == "first_call_time") & calls["run_id"].isin(first["run_id"])]
+    calls = latest(calls[(calls["provider"] == "ours")], ["preset", "mode", "dtype", "compile", "context"])
+    calls = calls[calls["dtype"] == "fp32"]
+    if not calls.empty:
+        joined = first.merge(calls[["preset", "mode", "median"]], on=["preset", "mode"], suffixes=("", "_first"))
+        worst = joined.assign(ratio=joined["median_first"] / joined["median"]).sort_values("ratio").iloc[-1]
+        doc.add(Paragraph(f"Warm-up matters: the first call is timed apart (it carries CUDA context, cuBLAS "
+                          f"heuristics and allocator growth). The largest first-call/steady ratio in these rows is "
+                          f"{worst['ratio']:.1f}x ({worst['preset']} {worst['mode']}: {worst['median_first']:.0f} vs "
+                          f"{worst['median']:.1f} ms); without warm-up the mean would be inflated and its spread "
+                          f"large."))
+    ratios = table["ours / baseline"].dropna()
+    if len(ratios):
+        doc.add(Paragraph(f"Our step is {ratios.min():.2f}x to {ratios.max():.2f}x the baseline's time in fp32; "
+                          "the gap is the unfused model path (RMSNorm, RoPE and softmax as separate kernels, a "
+                          "materialised (seq, seq) score matrix, a per-parameter AdamW loop)."))
+
+
+def nsys_profile(doc: Document, r: Results) -> None:
+    doc.add(Heading("nsys_profile: where the time goes"))
+    model = r.frame("model")
+    prof = model[model["metric"] == "profile_kernel_time"] if not model.empty else model
+    if prof.empty:
+        return r.note_missing(doc, "nsys_profile", "a --profile run (GPU)")
+    prof = latest(prof, ["preset", "dtype", "mode", "range", "kernel"])
+    doc.add(Paragraph("`cs336-bench model --preset xl --mode train-step --dtype bf16 --profile` (torch.profiler "
+                      "over the timed steps, CUDA kernels grouped by our NVTX/record ranges; the Nsight Systems "
+                      "command lines are in the README, Nsight itself is not on the lent machine). "
+                      + environment(prof)))
+    top = prof.sort_values("median", ascending=False).head(12)
+    doc.add(Table(pd.DataFrame({"range": top["range"], "kernel": top["kernel"].str.slice(0, 70),
+                                "ms per step": top["median"].round(2), "calls per step": top["calls_per_step"],
+                                "share": (100 * top["share"]).round(1).astype(str) + " %"}),
+                  "top CUDA kernels by total time per step"))
+    by_range = prof.groupby("range")["median"].sum().sort_values(ascending=False)
+    doc.add(Paragraph("Time per step by range (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in by_range.items())
+                      + ". Matrix multiplies (cutlass/cuBLAS GEMM kernels) lead the forward and backward; the "
+                      "attention softmax's elementwise kernels take a share far above their FLOPs, which is the "
+                      "case for FlashAttention."))
+    r.missing.append(("nsys_profile", "an Nsight Systems report (nsys is not on the lent machine)"))
+
+
+def mixed_precision_accumulation(doc: Document, r: Results) -> None:
+    doc.add(Heading("mixed_precision_accumulation and benchmarking_mixed_precision"))
+    prec = r.frame("precision")
+    if prec.empty:
+        return r.note_missing(doc, "mixed_precision_accumulation", "`cs336-bench precision` rows")
+    loops = latest(prec[prec["metric"] == "sum"], ["loop"])
+    doc.add(Paragraph("`cs336-bench precision`: 1000 additions of 0.01 (exact sum 10). " + environment(loops)))
+    doc.add(Table(pd.DataFrame({"loop": loops["loop"], "sum": loops["median"].round(6),
+                                "error": (loops["median"] - 10).abs().map(lambda v: f"{v:.2e}")})))
+    doc.add(Paragraph("An fp16 accumulator loses the small addends once the sum grows (its spacing near 10 is "
+                      "2^-7); accumulating in fp32 keeps the error at the fp16 rounding of 0.01 itself, whether "
+                      "the addend is converted explicitly or implicitly."))
+    dtypes = latest(prec[prec["metric"] == "dtype"], ["tensor", "autocast"])
+    if not dtypes.empty:
+        device = ", ".join(sorted(set(dtypes["device"])))
+        doc.add(Table(pd.DataFrame({"tensor": dtypes["tensor"], "dtype under autocast": dtypes["message"]}),
+                      f"toy model under bf16 autocast on {device}"))
+        if "cuda" not in device:
+            doc.add(Paragraph("These dtypes were read on CPU autocast, whose op lists differ from CUDA's: there "
+                              "layer norm runs in fp32 under autocast (it is on CUDA's fp32 list) while CPU "
+                              "autocast runs it in bf16."))
+            r.missing.append(("benchmarking_mixed_precision", "the autocast dtypes read on CUDA"))
+    model = eager_reference_rows(r.frame("model"))
+    step = model[(model["compile"] == False) & (model["mode"] == "train-step")]  # noqa: E712
+    if not step.empty:
+        wide = latest(step, ["preset", "dtype", "provider"]).pivot_table(
+            index=["preset", "provider"], columns="dtype", values="median").reset_index()
+        if {"fp32", "bf16"} <= set(wide.columns):
+            wide["fp32 / bf16"] = (wide["fp32"] / wide["bf16"]).round(2)
+            doc.add(Table(wide.round(1), "eager train-step ms, fp32 vs bf16 autocast. " + environment(step)))
+
+
+def memory_profiling(doc: Document, r: Results) -> None:
+    doc.add(Heading("memory_profiling: peaks, timelines and saved tensors"))
+    model = r.frame("model")
+    peaks = model[(model["metric"] == "peak_allocated") & model["phase"].notna()] if "phase" in model else model
+    peaks = peaks[peaks["preset"] == "xl"] if not peaks.empty else peaks
+    peaks = peaks[peaks["context"].isin([128, 2048])] if not peaks.empty else peaks
+    if peaks.empty:
+        r.note_missing(doc, "memory_profiling", "xl --memory runs at context 128/2048 (GPU)")
+    else:
+        peaks = latest(peaks, ["context", "dtype", "mode", "phase"])
+        wide = peaks.pivot_table(index=["context", "dtype", "mode"], columns="phase", values="median").reset_index()
+        doc.add(Paragraph("`cs336-bench model --preset xl --context 128,2048 --dtype fp32,bf16 --mode "
+                          "forward,train-step --memory` (batch 4, reference attention, no checkpointing). Peak "
+                          "allocated GiB per phase. " + environment(peaks)))
+        doc.add(Table(wide.round(2)))
+        doc.add(Paragraph("Each mode is recorded right after its own timed steps, so the forward rows hold the "
+                          "parameters (fp32: 4 bytes each) and the forward's activations (plus, under bf16 autocast, "
+                          "the bf16 weight copies), no gradients or AdamW state. The train-step peak is at the end "
+                          "of backward/optimizer: parameters, gradients and both moments (16 bytes per parameter) "
+                          "dominate at context 128."))
+        ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == 2048)]
+        if not ooms.empty:
+            cases = sorted({f"{d} {m}" for d, m in zip(ooms["dtype"], ooms["mode"])})
+            doc.add(Paragraph("Out of memory on the 141 GB card at context 2048: " + ", ".join(cases) +
+                              " (the memory model predicts 307 GiB for the fp32 step: the (4, 32, 2048, 2048) "
+                              "score tensors, several per block, dominate)."))
+        for name in sorted(p.name for p in r.results_dir.glob("xl_ctx*_memory.png")):
+            path = r.copy_figure(name)
+            doc.add(Figure(path, f"active memory timeline: {name.removesuffix('_memory.png')}"))
+    saved = r.frame("memory")
+    saved = saved[saved["metric"] == "saved_bytes"] if not saved.empty else saved
+    if saved.empty:
+        r.note_missing(doc, "memory_profiling", "`cs336-bench memory saved` rows")
+    else:
+        totals = latest(saved[saved["what"] == "total"], ["preset", "context", "part", "compile", "dtype"])
+        doc.add(Table(totals[["preset", "context", "batch", "dtype", "part", "compile", "median"]]
+                      .rename(columns={"median": "saved GiB"}).round(4),
+                      "saved for backward (parameters excluded). " + environment(totals)))
+    d, ctx, batch = 2560, 2048, 4
+    doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
+                      f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
+                      f"({batch * 128 * d * 4 / 2**20:.0f} MiB at 128)."))
+
+
+def torch_compile_model(doc: Document, r: Results) -> None:
+    doc.add(Heading("torch_compile (b): the compiled model"))
+    model = eager_reference_rows(r.frame("model"))
+    if model.empty:
+        return r.note_missing(doc, "torch_compile", "model rows (GPU)")
+    comp = model[model["compile"] == True]  # noqa: E712
+    if comp.empty:
+        return r.note_missing(doc, "torch_compile", "compiled model rows (GPU)")
+    eager = model[model["compile"] == False]  # noqa: E712
+    keys = ["preset", "dtype", "mode", "provider"]
+    both = latest(comp, keys).merge(latest(eager, keys)[keys + ["median"]], on=keys, suffixes=("", "_eager"))
+    both = both.assign(**{"eager ms": both["median_eager"].round(1), "compiled ms": both["median"].round(1),
+                          "speed-up": (both["median_eager"] / both["median"]).round(2)})
+    scope = ", ".join(sorted(set(col(comp, "compile_scope", "model").fillna("model"))))
+    doc.add(Paragraph(f"`cs336-bench model --compile on --compile-scope block` (compile scope: {scope}; each "
+                      "Transformer block compiled on its own, so large models compile in seconds; ours and the "
+                      "baseline compiled the same way). " + environment(comp)))
+    order = {p: i for i, p in enumerate(["small", "medium", "large", "xl"])}
+    both = both.sort_values(["dtype", "provider", "preset", "mode"],
+                            key=lambda s: s.map(order) if s.name == "preset" else s)
+    doc.add(Table(both[keys + ["eager ms", "compiled ms", "speed-up"]]))
+    step = both[both["mode"] == "train-step"]
+    ours = step[step["provider"] == "ours"]
+    if not ours.empty:
+        bf16 = ours[ours.dtype == "bf16"]["speed-up"]
+        doc.add(Paragraph(f"Compiling helps our model most in bf16 (train step {bf16.min():.2f}-{bf16.max():.2f}x): "
+                          "inductor fuses RMSNorm, RoPE, "
+                          "the softmax chain and the SwiGLU gate; in fp32 the matmuls dominate and the gain is small."))

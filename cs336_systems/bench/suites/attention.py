@@ -32,15 +32,7 @@ from tqdm import tqdm
 
 import cs336_basics.model as basics_model
 from cs336_systems.attention import TRITON_BACKWARDS
-from cs336_systems.bench.common import (
-    DTYPES,
-    add_common_arguments,
-    error_message,
-    free_memory,
-    is_oom,
-    list_of,
-    positive_int,
-)
+from cs336_systems.bench import common
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
 from cs336_systems.results import ResultStore, format_table
@@ -92,22 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a preset sweep: handout (pytorch_attention), flash (flash_benchmarking), train (the "
                              "training shapes); or custom, the default: the shape options below")
     # Shape options override the sweep's values; without a sweep they default to batch 1, 3-D, seq 128,256, d 16,64.
-    parser.add_argument("--batch", type=positive_int("--batch"), default=None,
+    parser.add_argument("--batch", type=common.positive_int("--batch"), default=None,
                         help="batch size (default: the sweep's; custom: 1)")
-    parser.add_argument("--heads", type=positive_int("--heads", 0), default=None,
+    parser.add_argument("--heads", type=common.positive_int("--heads", 0), default=None,
                         help="heads; 0 gives 3-D (batch, seq, d) inputs (default: the sweep's; custom: 0)")
-    parser.add_argument("--seq", type=list_of(positive_int("--seq"), name="--seq"), default=None,
+    parser.add_argument("--seq", type=common.list_of(common.positive_int("--seq"), name="--seq"), default=None,
                         help="comma-separated sequence lengths, queries = keys (default: the sweep's; custom: 128,256)")
-    parser.add_argument("--d", type=list_of(positive_int("--d"), name="--d"), default=None,
+    parser.add_argument("--d", type=common.list_of(common.positive_int("--d"), name="--d"), default=None,
                         help="comma-separated head dimensions (default: the sweep's; custom: 16,64)")
-    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=None,
+    parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=None,
                         help="fp32, bf16, fp16 (default bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--causal", choices=["on", "off"], default="on",
                         help="causal masking of a custom run (default: on); the preset sweeps set their own "
                              "(handout: off; flash, train: on)")
-    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=None,
+    parser.add_argument("--provider", type=common.list_of(str, PROVIDERS, "--provider"), default=None,
                         help=f"comma-separated from: {', '.join(PROVIDERS)} (default: the sweep's)")
-    parser.add_argument("--pass", dest="passes", type=list_of(str, PASSES, "--pass"), default=list(PASSES),
+    parser.add_argument("--pass", dest="passes", type=common.list_of(str, PASSES, "--pass"), default=list(PASSES),
                         help=f"comma-separated passes to time, from: {', '.join(PASSES)} (default: all three)")
     parser.add_argument("--precompile-workers", type=int, default=min(12, os.cpu_count() or 1),
                         help="processes that compile our kernels' autotune candidates before the first case "
@@ -118,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also record each measurement's GPU kernel time per call (torch.profiler; metric "
                              "kernel_time): beside `time` it shows how host-bound a short call is (CUDA only)")
     parser.add_argument("--plot", default=None, help="write a TFLOP/s-vs-sequence plot of this run to this PNG")
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
 
 
 def cases(args) -> list[AttentionCase]:
@@ -203,7 +195,7 @@ def run(args) -> int:
     if device.type == "cuda":
         from cs336_systems.kernels.flash_attention.warmup import precompile
 
-        combos = {(c.d, DTYPES[c.dtype], c.causal) for c in all_cases if c.provider.startswith("triton")}
+        combos = {(c.d, common.DTYPES[c.dtype], c.causal) for c in all_cases if c.provider.startswith("triton")}
         failures = precompile(combos, args.precompile_workers)
         if failures:
             print(f"precompile: {len(failures)} candidate configs left to the autotuner, e.g. {failures[0]}")
@@ -232,7 +224,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms",
                       status="skipped", message=reason)
         return
-    free_memory(device)
+    common.free_memory(device)
     lead = (case.batch,) if case.heads == 0 else (case.batch, case.heads)
     flops_fwd = attention_flops(case.batch, max(case.heads, 1), case.seq, case.seq, case.d, causal=case.causal)
     if case.provider in COMPILED_PROVIDERS:
@@ -242,7 +234,7 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
     for p in args.passes:
         try:
             torch.manual_seed(0)
-            q, k, v = (torch.randn(*lead, case.seq, case.d, device=device, dtype=DTYPES[case.dtype],
+            q, k, v = (torch.randn(*lead, case.seq, case.d, device=device, dtype=common.DTYPES[case.dtype],
                                    requires_grad=True) for _ in range(3))
             grad_out = torch.randn_like(q)
             # Donated buffers forbid the retained-graph backward the `bwd` pass times; AOTAutograd compiles
@@ -258,12 +250,12 @@ def _run_case(case: AttentionCase, args, store: ResultStore) -> None:
             if kernel_ms is not None:
                 store.add(provider=case.provider, config=row, metric="kernel_time", unit="ms", value=kernel_ms)
         except Exception as error:
-            status = "oom" if is_oom(error) else "unsupported"
+            status = "oom" if common.is_oom(error) else "unsupported"
             store.add(provider=case.provider, config=config | {"pass": p}, metric="time", unit="ms", status=status,
-                      message=error_message(error))
+                      message=common.error_message(error))
         finally:
             q = k = v = grad_out = None
-            free_memory(device)
+            common.free_memory(device)
 
 
 def measure_pass(p: str, fn, q, k, v, grad_out, args):

@@ -31,16 +31,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import chunked_cross_entropy
-from cs336_systems.bench.common import (
-    DTYPES,
-    add_common_arguments,
-    error_message,
-    free_memory,
-    is_oom,
-    list_of,
-    positive_int,
-)
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
@@ -62,18 +54,19 @@ class LossCase:
 
 
 def add_arguments(parser) -> None:
-    add_common_arguments(parser)
-    parser.add_argument("--tokens", type=list_of(positive_int("--tokens"), name="--tokens"), default=None,
+    common.add_common_arguments(parser)
+    parser.add_argument("--tokens", type=common.list_of(common.positive_int("--tokens"), name="--tokens"), default=None,
                         help="comma-separated token counts (default: 32768 on CUDA, 512 on CPU)")
-    parser.add_argument("--vocab", type=list_of(positive_int("--vocab"), name="--vocab"), default=None,
+    parser.add_argument("--vocab", type=common.list_of(common.positive_int("--vocab"), name="--vocab"), default=None,
                         help="comma-separated vocab sizes (default: 151936 on CUDA, 2048 on CPU)")
-    parser.add_argument("--d-model", type=list_of(positive_int("--d-model"), name="--d-model"), default=None,
+    parser.add_argument("--d-model", type=common.list_of(common.positive_int("--d-model"), name="--d-model"),
+                        default=None,
                         help="comma-separated hidden sizes (default: 4096 on CUDA, 128 on CPU)")
-    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=None,
+    parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=None,
                         help="comma-separated from: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=list(PROVIDERS),
+    parser.add_argument("--provider", type=common.list_of(str, PROVIDERS, "--provider"), default=list(PROVIDERS),
                         help=f"comma-separated from: {', '.join(PROVIDERS)} (default: all)")
-    parser.add_argument("--chunk-tokens", type=positive_int("--chunk-tokens"), default=4096,
+    parser.add_argument("--chunk-tokens", type=common.positive_int("--chunk-tokens"), default=4096,
                         help="token chunk of the fused and the chunked losses (default 4096)")
     parser.add_argument("--warmup-ms", type=float, default=100.0, help="do_bench warm-up time per case")
     parser.add_argument("--rep-ms", type=float, default=1000.0, help="do_bench repetition time per case")
@@ -110,10 +103,10 @@ def run(args) -> int:
 def _run_case(case: LossCase, args, store: ResultStore) -> None:
     device = args.device
     config = {k: v for k, v in asdict(case).items() if k != "provider"}
-    free_memory(device)
+    common.free_memory(device)
     try:
         generator = torch.Generator(device).manual_seed(0)
-        dtype = DTYPES[case.dtype]
+        dtype = common.DTYPES[case.dtype]
         hidden = torch.randn(case.tokens, case.d_model, device=device, dtype=dtype, generator=generator)
         weight = (torch.randn(case.vocab, case.d_model, device=device, dtype=dtype, generator=generator)
                   / case.d_model ** 0.5)
@@ -129,14 +122,14 @@ def _run_case(case: LossCase, args, store: ResultStore) -> None:
         timing = bench_kernel(step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                               grad_to_none=[hidden, weight])
     except Exception as error:
-        if not is_oom(error):
+        if not common.is_oom(error):
             raise
         store.add(provider=case.provider, config=config, metric="time", unit="ms", status="oom",
-                  message=error_message(error))
+                  message=common.error_message(error))
         return
     finally:
         hidden = weight = targets = None
-        free_memory(device)
+        common.free_memory(device)
     store.add(provider=case.provider, config=config, metric="time", unit="ms", stats=timing.stats())
     flops = 3 * 2.0 * case.tokens * case.vocab * case.d_model
     store.add(provider=case.provider, config=config, metric="tflops", unit="TFLOP/s",

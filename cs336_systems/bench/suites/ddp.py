@@ -16,20 +16,8 @@ from __future__ import annotations
 import torch
 
 from cs336_basics.nn_utils import cross_entropy
+from cs336_systems.bench import distributed_common as harness
 from cs336_systems.bench.common import list_of
-from cs336_systems.bench.distributed_common import (
-    add_model_arguments,
-    failure_row,
-    gather_samples,
-    launch,
-    measure_steps,
-    print_report,
-    rank_model,
-    setup_rank,
-    slowest_rank_stats,
-    synchronize,
-    timed,
-)
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.profiling.ranges import PhaseRanges
@@ -46,22 +34,22 @@ def add_arguments(parser) -> None:
                         help="comma-separated DDP variants (default: all; torch-ddp is PyTorch's, the baseline)")
     parser.add_argument("--bucket-mb", type=list_of(float, name="--bucket-mb"), default=[1.0, 10.0, 100.0, 1000.0],
                         help="comma-separated bucket sizes in MB for the bucketed variant (default 1,10,100,1000)")
-    add_model_arguments(parser)
+    harness.add_model_arguments(parser)
 
 
 def run(args) -> int:
-    return launch(_ddp_rank, args)
+    return harness.launch(_ddp_rank, args)
 
 
 def _ddp_rank(args) -> None:
-    device, cfg, x, y, store, base = setup_rank(args)
+    device, cfg, x, y, store, base = harness.setup_rank(args)
     configs = []
     for variant in args.variant:
         configs += [(variant, mb) for mb in args.bucket_mb] if variant == "bucketed" else [(variant, None)]
     for variant, bucket_mb in configs:
         config = base | {"variant": variant, "bucket_mb": bucket_mb}
         try:
-            model = rank_model(cfg, device)
+            model = harness.rank_model(cfg, device)
             if variant == "torch-ddp":  # the baseline
                 wrapped = torch.nn.parallel.DistributedDataParallel(
                     model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=25)
@@ -74,21 +62,21 @@ def _ddp_rank(args) -> None:
             finish_times: list[float] = []
             ranges = PhaseRanges(device, nvtx=args.nvtx, record=args.profile)
             step = _ddp_step(wrapped, opt, finish, finish_times, x, y, device, ranges.phase)
-            samples, exposed = measure_steps(step, finish_times, args, device)
+            samples, exposed = harness.measure_steps(step, finish_times, args, device)
             if args.profile:
                 _trace_steps(step, args, device, f"ddp_{variant}" + (f"_{bucket_mb:g}mb" if bucket_mb else ""))
-            per_rank, exposed_per_rank = gather_samples(samples), gather_samples(exposed)
+            per_rank, exposed_per_rank = harness.gather_samples(samples), harness.gather_samples(exposed)
             if store:
                 store.add(provider="torch" if variant == "torch-ddp" else "ours", config=config, metric="step_time",
-                          unit="ms", stats=slowest_rank_stats(per_rank, args.warmup))
+                          unit="ms", stats=harness.slowest_rank_stats(per_rank, args.warmup))
                 if variant != "torch-ddp":
                     store.add(provider="ours", config=config, metric="exposed_comm_time", unit="ms",
-                              stats=slowest_rank_stats(exposed_per_rank, args.warmup))
+                              stats=harness.slowest_rank_stats(exposed_per_rank, args.warmup))
         except Exception as error:
-            failure_row(store, "ours", config, error)
+            harness.failure_row(store, "ours", config, error)
         finally:
             model = wrapped = opt = None
-    print_report(store, args, ["preset", "world_size", "backend", "variant", "bucket_mb"])
+    harness.print_report(store, args, ["preset", "world_size", "backend", "variant", "bucket_mb"])
     if store:
         frame = rows_to_frame(store.rows)
         steps = frame[(frame["metric"] == "step_time") & (frame["status"] == "ok")]
@@ -116,7 +104,7 @@ def _ddp_step(wrapped, opt, finish, finish_times, x, y, device, phase):
         with phase("backward"):
             loss.backward()
         with phase("finish_gradient_synchronization"):
-            finish_times.append(timed(finish, device))  # the communication backward left exposed
+            finish_times.append(harness.timed(finish, device))  # the communication backward left exposed
         with phase("optimizer"):
             opt.step()
     return step
@@ -133,7 +121,7 @@ def _trace_steps(step, args, device, name: str) -> None:
     with profile(activities=activities) as prof:
         for _ in range(min(args.steps, 3)):
             step()
-        synchronize(device)
+        harness.synchronize(device)
     if comm.rank() == 0:
         path = Path(args.results_dir) / "traces" / f"{name}_ws{comm.world_size()}.pt.trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)

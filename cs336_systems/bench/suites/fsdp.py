@@ -14,18 +14,8 @@ import copy
 import torch
 
 from cs336_basics.nn_utils import cross_entropy
+from cs336_systems.bench import distributed_common as harness
 from cs336_systems.bench.common import DTYPES, list_of
-from cs336_systems.bench.distributed_common import (
-    add_model_arguments,
-    failure_row,
-    gather_samples,
-    launch,
-    measure_steps,
-    print_report,
-    rank_model,
-    setup_rank,
-    slowest_rank_stats,
-)
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.parallel.fsdp import FSDP
@@ -38,11 +28,11 @@ def add_arguments(parser) -> None:
                         default=["fsdp", "ddp", "torch-fsdp2"],
                         help="comma-separated from: fsdp, fsdp-layer, ddp, torch-fsdp2 (PyTorch's, the baseline); "
                              "default fsdp,ddp,torch-fsdp2")
-    add_model_arguments(parser)
+    harness.add_model_arguments(parser)
 
 
 def run(args) -> int:
-    return launch(_fsdp_rank, args)
+    return harness.launch(_fsdp_rank, args)
 
 
 def _torch_fsdp2(model, device, dtype_name):
@@ -68,7 +58,7 @@ def _fsdp_step(wrapped, opt, finish, autocast, x, y):
 
 
 def _fsdp_rank(args) -> None:
-    device, cfg, x, y, store, base = setup_rank(args)
+    device, cfg, x, y, store, base = harness.setup_rank(args)
     for dtype_name in args.compute_dtype:
         for provider in args.provider:
             config = base | {"provider_kind": provider, "compute_dtype": dtype_name}
@@ -76,7 +66,7 @@ def _fsdp_rank(args) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
-                model = rank_model(cfg, device)
+                model = harness.rank_model(cfg, device)
                 autocast = contextlib.nullcontext()
                 if provider in ("fsdp", "fsdp-layer"):  # one all-gather per block, or per weight
                     wrapped = FSDP(model, compute_dtype=None if dtype_name == "fp32" else DTYPES[dtype_name],
@@ -91,15 +81,15 @@ def _fsdp_rank(args) -> None:
                     wrapped = _torch_fsdp2(model, device, dtype_name)
                     finish = lambda: None  # noqa: E731
                 opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
-                samples, _ = measure_steps(_fsdp_step(wrapped, opt, finish, autocast, x, y), [], args, device)
-                times = gather_samples(samples)
+                samples, _ = harness.measure_steps(_fsdp_step(wrapped, opt, finish, autocast, x, y), [], args, device)
+                times = harness.gather_samples(samples)
                 stats = copy.copy(getattr(wrapped, "gather_stats", {}))
                 peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
-                peaks = gather_samples([peak])
+                peaks = harness.gather_samples([peak])
                 if store:
                     label = "torch" if provider == "torch-fsdp2" else "ours"
                     store.add(provider=label, config=config, metric="step_time", unit="ms",
-                              stats=slowest_rank_stats(times, args.warmup))
+                              stats=harness.slowest_rank_stats(times, args.warmup))
                     if peak == peak:
                         store.add(provider=label, config=config, metric="peak_allocated", unit="GiB",
                                   value=max(p[0] for p in peaks) / 2**30)
@@ -108,8 +98,8 @@ def _fsdp_rank(args) -> None:
                         store.add(provider=label, config=config, metric="gathers_ready_before_use", unit="fraction",
                                   value=stats["ready_before_use"] / total if total else float("nan"))
             except Exception as error:
-                failure_row(store, "torch" if provider == "torch-fsdp2" else "ours", config, error)
+                harness.failure_row(store, "torch" if provider == "torch-fsdp2" else "ours", config, error)
             finally:
                 model = wrapped = opt = None
-    print_report(store, args, ["preset", "world_size", "compute_dtype", "provider_kind"],
+    harness.print_report(store, args, ["preset", "world_size", "compute_dtype", "provider_kind"],
             metrics=("step_time", "peak_allocated", "gathers_ready_before_use"))

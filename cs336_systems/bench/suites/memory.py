@@ -16,15 +16,7 @@ import argparse
 import torch
 
 from cs336_basics.model import RMSNorm, TransformerBlock
-from cs336_systems.bench.common import (
-    DTYPES,
-    add_common_arguments,
-    autocast_context,
-    error_message,
-    free_memory,
-    is_oom,
-    positive_int,
-)
+from cs336_systems.bench import common
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.policy import CheckpointPolicy
 from cs336_systems.memory.saved_tensors import SavedTensorLog
@@ -37,20 +29,22 @@ def add_arguments(parser) -> None:
                         help="saved: saved-tensor accounting of one forward; search: single-level checkpointing "
                              "over group sizes k, measured peak and step time beside the memory model")
     parser.add_argument("--preset", choices=preset_names(), default="tiny", help="model size (default tiny)")
-    parser.add_argument("--context", type=positive_int("--context"), default=None,
+    parser.add_argument("--context", type=common.positive_int("--context"), default=None,
                         help="context length (default: the preset's)")
-    parser.add_argument("--batch", type=positive_int("--batch"), default=4, help="sequences per step (default 4)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="autocast dtype (default fp32)")
+    parser.add_argument("--batch", type=common.positive_int("--batch"), default=4,
+                        help="sequences per step (default 4)")
+    parser.add_argument("--dtype", choices=list(common.DTYPES), default="fp32", help="autocast dtype (default fp32)")
     part = parser.add_mutually_exclusive_group()
     part.add_argument("--block", action="store_true", help="one TransformerBlock instead of the whole model")
     part.add_argument("--rmsnorm", action="store_true", help="one RMSNorm alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the module first")
-    parser.add_argument("--top", type=positive_int("--top"), default=10, help="top operations to list")
+    parser.add_argument("--top", type=common.positive_int("--top"), default=10, help="top operations to list")
     parser.add_argument("--policies", type=_policy_list, default=None,
                         help="search: comma-separated policies to measure (default: none, every-k over the candidate "
                              "group sizes, nested)")
-    parser.add_argument("--steps", type=positive_int("--steps"), default=3, help="search: timed steps (default 3)")
-    add_common_arguments(parser)
+    parser.add_argument("--steps", type=common.positive_int("--steps"), default=3,
+                        help="search: timed steps (default 3)")
+    common.add_common_arguments(parser)
 
 
 def run(args) -> int:
@@ -72,7 +66,7 @@ def run(args) -> int:
             module = build_model(cfg, Recipe(), device)
             inputs = torch.randint(0, cfg.vocab_size, (args.batch, context))
     target = torch.compile(module) if args.compile else module
-    with SavedTensorLog(module) as log, autocast_context(device, args.dtype):
+    with SavedTensorLog(module) as log, common.autocast_context(device, args.dtype):
         out = target(inputs)
     del out
     part = "block" if args.block else "rmsnorm" if args.rmsnorm else "model"
@@ -128,7 +122,7 @@ def _measure_policy(cfg, policy, args, device):
 
     # A failed (out-of-memory) policy leaves its model in reference cycles through the traceback:
     # collect them, or their bytes count in this policy's peak.
-    free_memory(device)
+    common.free_memory(device)
     torch.manual_seed(0)
     recipe = Recipe(checkpoint=policy)
     model = build_model(cfg, recipe, device)
@@ -137,7 +131,7 @@ def _measure_policy(cfg, policy, args, device):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with autocast_context(device, args.dtype):
+        with common.autocast_context(device, args.dtype):
             logits = model(x)
         cross_entropy(logits.float(), x).backward()
         opt.step()
@@ -175,10 +169,10 @@ def search(args) -> int:
         try:
             peak, seconds = _measure_policy(cfg, policy, args, device)
         except Exception as error:  # out of memory is a result, and the search goes on
-            failure = ("oom" if is_oom(error) else "error", error_message(error))
+            failure = ("oom" if common.is_oom(error) else "error", common.error_message(error))
         if failure:
             # Outside the except block: the traceback (and the frames holding the failed model) is gone.
-            free_memory(device)
+            common.free_memory(device)
             store.add(provider="ours", config=config, metric="peak_memory", unit="GiB", status=failure[0],
                       message=failure[1])
             rows.append(dict(policy=str(policy), peak_GiB=failure[0], predicted_GiB=predicted and predicted / 2**30,

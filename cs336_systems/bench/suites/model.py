@@ -23,17 +23,8 @@ from tqdm import tqdm
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.attention import attention_names
+from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer
-from cs336_systems.bench.common import (
-    DTYPES,
-    add_common_arguments,
-    autocast_context,
-    error_message,
-    free_memory,
-    is_oom,
-    list_of,
-    positive_int,
-)
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
@@ -66,22 +57,23 @@ class ModelCase:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", type=list_of(str, preset_names(), "--preset"), default=["tiny"],
+    parser.add_argument("--preset", type=common.list_of(str, preset_names(), "--preset"), default=["tiny"],
                         help=f"model preset(s), comma-separated: {', '.join(preset_names())} (default tiny)")
-    parser.add_argument("--context", type=list_of(positive_int("--context"), name="--context"), default=None,
+    parser.add_argument("--context", type=common.list_of(common.positive_int("--context"), name="--context"),
+                        default=None,
                         help="context length(s), comma-separated (default: 512, or 128 for tiny)")
-    parser.add_argument("--batch", type=positive_int("--batch"), default=4, help="batch size (default 4)")
-    parser.add_argument("--dtype", type=list_of(str, tuple(DTYPES), "--dtype"), default=["fp32"],
+    parser.add_argument("--batch", type=common.positive_int("--batch"), default=4, help="batch size (default 4)")
+    parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=["fp32"],
                         help="fp32, bf16, fp16 (autocast), comma-separated (default fp32)")
-    parser.add_argument("--compile", type=list_of(str, ("off", "on"), "--compile"), default=["off"],
+    parser.add_argument("--compile", type=common.list_of(str, ("off", "on"), "--compile"), default=["off"],
                         help="torch.compile the model: off, on, or off,on (default off)")
     parser.add_argument("--compile-scope", choices=["model", "block"], default="model",
                         help="what --compile on compiles: the whole model (default, as the handout) or each "
                              "Transformer block on its own (regional: one block's graph, reused by all, so large "
                              "models compile in seconds)")
-    parser.add_argument("--mode", type=list_of(str, MODES, "--mode"), default=list(MODES),
+    parser.add_argument("--mode", type=common.list_of(str, MODES, "--mode"), default=list(MODES),
                         help="forward, forward-backward, train-step, comma-separated (default all)")
-    parser.add_argument("--provider", type=list_of(str, PROVIDERS, "--provider"), default=["ours"],
+    parser.add_argument("--provider", type=common.list_of(str, PROVIDERS, "--provider"), default=["ours"],
                         help="ours, baseline (PyTorch-native LM, SDPA, fused AdamW), or ours,baseline")
     parser.add_argument("--attention", choices=attention_names(), default="reference",
                         help="our attention implementation (default: reference, the staff maths)")
@@ -93,11 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="install our Triton RMSNorm and SwiGLU gate on our model (CUDA, or TRITON_INTERPRET=1)")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
                         help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
-    parser.add_argument("--warmup", type=positive_int("--warmup", 0), default=5, help="warm-up steps (default 5)")
-    parser.add_argument("--steps", type=positive_int("--steps"), default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=common.positive_int("--warmup", 0), default=5,
+                        help="warm-up steps (default 5)")
+    parser.add_argument("--steps", type=common.positive_int("--steps"), default=10, help="timed steps (default 10)")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
                              ("num-heads", "heads"), ("vocab-size", "vocabulary")):
-        parser.add_argument(f"--{field}", type=positive_int(f"--{field}"), default=None,
+        parser.add_argument(f"--{field}", type=common.positive_int(f"--{field}"), default=None,
                             help=f"override the preset's {help_text}")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak for MFU (default: measured with a large bf16 matmul on CUDA)")
@@ -106,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.profiler over the timed steps: trace file and kernel summary")
     parser.add_argument("--memory", action="store_true",
                         help="CUDA memory history: snapshot pickle, timeline PNG and per-phase peaks")
-    add_common_arguments(parser)
+    common.add_common_arguments(parser)
 
 
 def _checkpoint_policy(text: str) -> CheckpointPolicy:
@@ -167,7 +160,7 @@ class _Harness:
         return attention_context(self.recipe) if self.case.provider == "ours" else contextlib.nullcontext()
 
     def step_fn(self, mode: str, phase):
-        autocast = autocast_context(self.device, self.case.dtype)
+        autocast = common.autocast_context(self.device, self.case.dtype)
 
         def forward():
             with torch.no_grad(), autocast, phase("forward"):
@@ -213,8 +206,8 @@ def run(args) -> int:
 
 def _record_failure(store: ResultStore, provider: str, config: dict, metric: str, error: BaseException) -> None:
     """A failed configuration is a row with its status; the sweep goes on."""
-    status = "oom" if is_oom(error) else "error"
-    message = error_message(error)
+    status = "oom" if common.is_oom(error) else "error"
+    message = common.error_message(error)
     if status == "error":
         traceback.print_exception(error, file=sys.stderr)
     store.add(provider=provider, config=config, metric=metric, unit="ms", status=status, message=message)
@@ -225,7 +218,7 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
     # provider is a row field; the policy is recorded as the string it was given as
     config = {k: v for k, v in asdict(case).items() if k != "provider"} | {"checkpoint": str(case.checkpoint)}
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
-    free_memory(device)
+    common.free_memory(device)
     ranges = PhaseRanges(device, nvtx=args.nvtx, time=True)
     harness = None
     try:
@@ -251,7 +244,7 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
                     continue
                 # After a failure, outside the except block (whose traceback holds the failed step's tensors).
                 harness.optimizer.zero_grad(set_to_none=True)
-                free_memory(device)
+                common.free_memory(device)
                 break
         if args.profile:  # one trace per configuration: the last mode
             try:
@@ -259,7 +252,7 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
             except Exception as error:
                 _record_failure(store, case.provider, config | {"mode": args.mode[-1]}, "profile", error)
     del harness
-    free_memory(device)
+    common.free_memory(device)
 
 
 def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultStore, ranges: PhaseRanges,

@@ -13,25 +13,14 @@ from __future__ import annotations
 import torch
 
 from cs336_basics.nn_utils import cross_entropy
-from cs336_systems.bench.distributed_common import (
-    add_model_arguments,
-    failure_row,
-    gather_samples,
-    launch,
-    measure_steps,
-    print_report,
-    rank_model,
-    setup_rank,
-    slowest_rank_stats,
-    synchronize,
-)
+from cs336_systems.bench import distributed_common as harness
 from cs336_systems.memory.saved_tensors import SavedTensorLog
 from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
 
 
 def add_arguments(parser) -> None:
-    add_model_arguments(parser)
+    harness.add_model_arguments(parser)
 
 
 def _tensor_bytes(tensors) -> int:
@@ -52,24 +41,24 @@ def _optimizer_state_bytes(opt) -> int:
 
 
 def run(args) -> int:
-    return launch(_sharding_rank, args)
+    return harness.launch(_sharding_rank, args)
 
 
 def _sharding_rank(args) -> None:
-    device, cfg, x, y, store, base = setup_rank(args)
+    device, cfg, x, y, store, base = harness.setup_rank(args)
     for sharded in (False, True):
         config = base | {"optimizer": "zero1-sharded-adamw" if sharded else "adamw"}
         try:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            model = make_ddp(rank_model(cfg, device), "bucketed", bucket_size_mb=25.0)
+            model = make_ddp(harness.rank_model(cfg, device), "bucketed", bucket_size_mb=25.0)
             opt = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4) if sharded
                    else torch.optim.AdamW(model.parameters(), lr=1e-4))
             peaks = {}
             if device.type == "cuda":
                 peaks["after_init"] = torch.cuda.max_memory_allocated(device)
-            samples, _ = measure_steps(_sharding_step(model, opt, peaks, x, y, device), [], args, device)
+            samples, _ = harness.measure_steps(_sharding_step(model, opt, peaks, x, y, device), [], args, device)
             with SavedTensorLog(model.module) as saved:  # what one forward keeps for backward
                 activations_probe = cross_entropy(model(x), y)
             del activations_probe
@@ -78,11 +67,11 @@ def _sharding_rank(args) -> None:
                          "optimizer_state": _optimizer_state_bytes(opt),
                          "activations": saved.total_bytes}
             cuda_peaks = [peaks.get(k, float("nan")) for k in ("after_init", "before_step", "after_step")]
-            per_rank = gather_samples(list(breakdown.values()) + cuda_peaks)
-            times = gather_samples(samples)
+            per_rank = harness.gather_samples(list(breakdown.values()) + cuda_peaks)
+            times = harness.gather_samples(samples)
             if store:
                 store.add(provider="ours", config=config, metric="step_time", unit="ms",
-                          stats=slowest_rank_stats(times, args.warmup))
+                          stats=harness.slowest_rank_stats(times, args.warmup))
                 names = list(breakdown) + ["peak_after_init", "peak_before_step", "peak_after_step"]
                 for i, name in enumerate(names):
                     value = max(r[i] for r in per_rank)
@@ -90,10 +79,10 @@ def _sharding_rank(args) -> None:
                         store.add(provider="ours", config=config, metric=f"bytes_{name}", unit="MiB",
                                   value=value / 2**20)
         except Exception as error:
-            failure_row(store, "ours", config, error)
+            harness.failure_row(store, "ours", config, error)
         finally:
             model = opt = None
-    print_report(store, args, ["preset", "world_size", "optimizer"],
+    harness.print_report(store, args, ["preset", "world_size", "optimizer"],
             metrics=("step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state", "bytes_activations",
                      "bytes_peak_after_init", "bytes_peak_before_step", "bytes_peak_after_step"))
 
@@ -104,10 +93,10 @@ def _sharding_step(model, opt, peaks, x, y, device):
         cross_entropy(model(x), y).backward()
         model.finish_gradient_synchronization()
         if device.type == "cuda":
-            synchronize(device)
+            harness.synchronize(device)
             peaks["before_step"] = torch.cuda.max_memory_allocated(device)
         opt.step()
         if device.type == "cuda":
-            synchronize(device)
+            harness.synchronize(device)
             peaks["after_step"] = torch.cuda.max_memory_allocated(device)
     return step

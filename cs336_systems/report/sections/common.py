@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.document import Document, Paragraph
+from cs336_systems.report.document import Document, Heading, Paragraph
 from cs336_systems.results import load_rows, rows_to_frame
 
 
@@ -41,6 +41,15 @@ class Results:
     def note_missing(self, doc: Document, section: str, what: str) -> None:
         self.missing.append((section, what))
         doc.add(Paragraph(f"Missing: {what}."))
+
+    def open_section(self, doc: Document, heading: str, suite: str, section: str, what: str) -> pd.DataFrame | None:
+        """Add the section's heading and return the suite's rows, or note them missing and return None."""
+        doc.add(Heading(heading))
+        frame = self.frame(suite)
+        if frame.empty:
+            self.note_missing(doc, section, what)
+            return None
+        return frame
 
 def environment(frame: pd.DataFrame) -> str:
     """'measured on X (torch a, triton b), commits c, d' for the rows of a table."""

@@ -9,11 +9,9 @@ from cs336_systems.report.sections.common import Results, environment, latest
 
 
 def distributed_communication(doc: Document, r: Results) -> None:
-    doc.add(Heading("distributed_communication_single_node: collectives"))
-    coll = r.frame("collectives")
-    if coll.empty:
-        r.note_missing(doc, "distributed_communication_single_node", "collectives rows")
-    else:
+    coll = r.open_section(doc, "distributed_communication_single_node: collectives", "collectives",
+                          "distributed_communication_single_node", "collectives rows")
+    if coll is not None:
         t = latest(coll[coll["metric"] == "time"], ["op", "size_mb", "world_size", "backend", "dtype"])
         wide = t.pivot_table(index=["backend", "op", "size_mb"], columns="world_size", values="median").reset_index()
         doc.add(Paragraph("`cs336-bench collectives` (fp32 tensors, median ms). " + environment(t)))
@@ -32,11 +30,9 @@ def distributed_communication(doc: Document, r: Results) -> None:
 
 
 def ddp(doc: Document, r: Results) -> None:
-    doc.add(Heading("naive_ddp / minimal_ddp_flat / ddp_overlap / ddp_bucketed benchmarking"))
-    frame = r.frame("ddp")
-    if frame.empty:
-        r.note_missing(doc, "ddp", "ddp rows")
-    else:
+    frame = r.open_section(doc, "naive_ddp / minimal_ddp_flat / ddp_overlap / ddp_bucketed benchmarking", "ddp",
+                           "ddp", "ddp rows")
+    if frame is not None:
         rows = latest(frame[frame["metric"].isin(["step_time", "exposed_comm_time"])],
                       ["metric", "variant", "bucket_mb", "world_size", "preset", "backend", "provider"])
         wide = rows.pivot_table(index=["backend", "world_size", "preset", "provider", "variant", "bucket_mb"],

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import numpy.typing as npt
 import torch
 
 
+def _positive_int(value, name: str) -> int:
+    try:
+        value = operator.index(value)  # ints and numpy integers; not floats or bools' look-alikes
+    except TypeError:
+        raise ValueError(f"get_batch: {name} must be a positive integer, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"get_batch: {name} must be a positive integer, got {value}")
+    return value
+
+
 def get_batch(dataset: npt.NDArray, batch_size: int, context_length: int, device: str
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `batch_size` windows; returns (x, y), both (batch_size, context_length) int64, y = x shifted by one."""
+    batch_size = _positive_int(batch_size, "batch_size")
+    context_length = _positive_int(context_length, "context_length")
     if dataset.ndim != 1:
         raise ValueError(f"get_batch: dataset must be a 1-D token array, got shape {dataset.shape}")
     if not np.issubdtype(dataset.dtype, np.integer):

@@ -180,6 +180,8 @@ class BasicsTransformerLM(nn.Module):
     def __init__(self, vocab_size: int, context_length: int, d_model: int, num_layers: int, num_heads: int,
                  d_ff: int, rope_theta: float | None = 10000.0):
         super().__init__()
+        if num_heads < 1 or d_model % num_heads:  # (before RoPE, whose own message would name d_model // num_heads)
+            raise ValueError(f"BasicsTransformerLM: d_model={d_model} must be divisible by num_heads={num_heads}")
         for name, value in (("vocab_size", vocab_size), ("context_length", context_length), ("d_model", d_model),
                             ("num_layers", num_layers), ("num_heads", num_heads), ("d_ff", d_ff)):
             if not isinstance(value, int) or value <= 0:

@@ -19,13 +19,13 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01):
-        if lr < 0:
-            raise ValueError(f"AdamW: lr must be >= 0, got {lr}")
+        if not lr >= 0:  # (also refuses nan)
+            raise ValueError(f"AdamW: lr must be a number >= 0, got {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"AdamW: betas must lie in [0, 1), got {betas}")
-        if eps <= 0:
+        if not eps > 0:
             raise ValueError(f"AdamW: eps must be > 0, got {eps}")
-        if weight_decay < 0:
+        if not weight_decay >= 0:
             raise ValueError(f"AdamW: weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 

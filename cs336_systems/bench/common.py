@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 from pathlib import Path
 
 import torch
@@ -19,12 +20,15 @@ def default_device() -> str:
 def parse_device(value: str) -> torch.device:
     try:
         device = torch.device(value)
-    except RuntimeError as e:
-        raise argparse.ArgumentTypeError(f"--device: {value!r} is not a device ({e})") from None
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"--device: got {value!r}; allowed: cpu, cuda, cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"--device: got {value!r}; allowed: cpu, cuda, cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("--device: got 'cuda' but no CUDA device is visible; use --device cpu")
+        raise argparse.ArgumentTypeError(f"--device: got {value!r} but no CUDA device is visible; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"--device: got {value!r} but only {torch.cuda.device_count()} CUDA "
+                                         f"device(s) are visible (cuda:0..cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -111,4 +115,21 @@ def error_message(error: BaseException, limit: int = 300) -> str:
 
 
 def is_oom(error: BaseException) -> bool:
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+    """An out-of-memory error, on the GPU or the CPU (whose allocator says "can't allocate memory")."""
+    text = str(error).lower()
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)
+
+
+def positive_float(name: str):
+    """argparse type: a finite number > 0, the error naming the option."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{name}: got {text!r}; must be a finite number > 0")
+        return value
+
+    return parse

@@ -110,6 +110,12 @@ class CheckpointPolicy:
             return max(1, round(math.sqrt(num_blocks)))
         return None
 
+    def check_fits(self, num_blocks: int, where: str = "checkpoint policy") -> None:
+        """A ValueError where the policy names more blocks than the model has (partial:M, every-k:K): the
+        library caps them, but a command line that asks for them is most likely a mistake."""
+        if self.scheme in ("partial", "every-k") and self.size > num_blocks:
+            raise ValueError(f"{where}: {str(self)!r} names {self.size} blocks but the model has {num_blocks}")
+
     def checkpointed_blocks(self, num_blocks: int) -> int:
         """M of partial:M, at most the model's blocks (partial only)."""
         return min(self.size, num_blocks)

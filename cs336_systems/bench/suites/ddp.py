@@ -17,7 +17,7 @@ import torch
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.bench import distributed_common as harness
-from cs336_systems.bench.common import list_of
+from cs336_systems.bench.common import list_of, positive_float
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import make_ddp
 from cs336_systems.profiling.ranges import PhaseRanges
@@ -32,7 +32,8 @@ def add_arguments(parser) -> None:
                                                   "--variant"),
                         default=["naive", "flat", "overlap", "bucketed", "torch-ddp"],
                         help="comma-separated DDP variants (default: all; torch-ddp is PyTorch's, the baseline)")
-    parser.add_argument("--bucket-mb", type=list_of(float, name="--bucket-mb"), default=[1.0, 10.0, 100.0, 1000.0],
+    parser.add_argument("--bucket-mb", type=list_of(positive_float("--bucket-mb"), name="--bucket-mb"),
+                        default=[1.0, 10.0, 100.0, 1000.0],
                         help="comma-separated bucket sizes in MB for the bucketed variant (default 1,10,100,1000)")
     harness.add_model_arguments(parser)
 

@@ -291,6 +291,11 @@ def _run_rank(args) -> int:
         base_config |= dict(world_size=comm.world_size(), ddp=args.ddp)
     our_config = base_config | dict(attention=recipe.attention, fused=recipe.fused, fused_rope=recipe.fused_rope,
                                     optimizer=recipe.optimizer)
+    if isinstance(args.checkpoint, CheckpointPolicy):
+        try:
+            args.checkpoint.check_fits(cfg.num_layers, "--checkpoint")
+        except ValueError as error:
+            raise SystemExit(f"cs336-bench leaderboard: {error}") from None
     candidates = ([args.checkpoint] if isinstance(args.checkpoint, CheckpointPolicy) else policy_candidates(
         cfg, args.batch, seq, device, dtype=dtype_name, state_dtype=state_name, attention=recipe.attention,
         fused=recipe.fused, chunk_tokens=args.chunk_tokens, fit_fraction=args.fit_fraction))

@@ -191,7 +191,10 @@ def run(args) -> int:
     overrides = _overrides(args)
     all_cases = cases(args)
     for case in all_cases:  # validate every configuration before any work starts
-        case.model_config(overrides)
+        try:
+            case.checkpoint.check_fits(case.model_config(overrides).num_layers, "--checkpoint")
+        except ValueError as error:  # a bad --preset / --d-model / --num-heads / ... combination, or policy
+            raise SystemExit(f"cs336-bench model: {error}") from None
     store = ResultStore("model", device, args.results_dir)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (
         measure_matmul_peak(device) if device.type == "cuda" else None)

@@ -1,0 +1,98 @@
+"""Bad input is refused before any work, with a message naming the argument, its value and what is allowed: a
+table of command lines and Python calls (issue 33's cases among them), each with the message it must give."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cs336_basics.data import get_batch
+from cs336_basics.model import BasicsTransformerLM
+from cs336_basics.optimizer import AdamW
+from cs336_systems.bench.cli import main
+from cs336_systems.bench.common import is_oom
+from cs336_systems.memory.policy import CheckpointPolicy
+from cs336_systems.recipe import Recipe
+
+MODEL = ["model", "--preset", "tiny", "--device", "cpu"]
+
+# (command line, where the refusal is printed: "argparse" (exit 2, stderr) or "exit" (SystemExit message),
+#  the text it must contain)
+COMMAND_LINES = [
+    ([*MODEL, "--num-heads", "5"], "exit", "d_model=64 must be divisible by num_heads=5"),
+    ([*MODEL, "--checkpoint", "partial:99"], "exit", "--checkpoint: 'partial:99' names 99 blocks but the model has 2"),
+    ([*MODEL, "--checkpoint", "every-k:9"], "exit", "'every-k:9' names 9 blocks but the model has 2"),
+    ([*MODEL, "--checkpoint", "sometimes"], "argparse", "--checkpoint: unknown checkpoint policy 'sometimes'"),
+    ([*MODEL, "--checkpoint", "nested+keep-attn"], "argparse", "+keep-attn applies to every-block, every-k"),
+    (["model", "--preset", "huge", "--device", "cpu"], "argparse", "--preset: got 'huge'; allowed: tiny, small"),
+    ([*MODEL, "--context", "0"], "argparse", "--context: got 0; must be >= 1"),
+    ([*MODEL, "--device", "tpu"], "argparse", "--device: got 'tpu'; allowed: cpu, cuda, cuda:N"),
+    (["ddp", "--device", "cpu", "--bucket-mb", "-5"], "argparse", "--bucket-mb: got '-5'; must be a finite number > 0"),
+    (["ddp", "--device", "cpu", "--bucket-mb", "0"], "argparse", "--bucket-mb: got '0'; must be a finite number > 0"),
+    (["ddp", "--device", "cpu", "--bucket-mb", "nan"], "argparse", "--bucket-mb: got 'nan'; must be a finite number"),
+    (["ddp", "--device", "cpu", "--bucket-mb", "big"], "argparse", "--bucket-mb: 'big' is not a number"),
+    (["ddp", "--device", "cpu", "--variant", "magic"], "argparse", "--variant: got 'magic'; allowed: naive, flat"),
+    (["ddp", "--device", "cpu", "--world-size", "0"], "argparse", "--world-size: got 0; must be >= 1"),
+    (["attention", "--device", "cpu", "--seq", "0"], "argparse", "--seq: got 0; must be >= 1"),
+    (["attention", "--device", "cpu", "--dtype", "fp8"], "argparse", "--dtype: got 'fp8'; allowed: fp32, bf16, fp16"),
+    (["attention", "--device", "cpu", "--pass", "sideways"], "argparse", "--pass: got 'sideways'; allowed: fwd"),
+    (["memory", "search", "--device", "cpu", "--policies", "every-k:0"], "argparse",
+     "--policies: checkpoint policy every-k needs a positive group size"),
+    (["leaderboard", "--preset", "tiny", "--device", "cpu", "--fit-fraction", "1.5"], "argparse",
+     "--fit-fraction: got 1.5; must be in (0, 1]"),
+    (["leaderboard", "--preset", "tiny", "--device", "cpu", "--checkpoint", "partial:9"], "exit",
+     "--checkpoint: 'partial:9' names 9 blocks but the model has 2"),
+    (["collectives", "--device", "cpu", "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
+]
+if not torch.cuda.is_available():
+    COMMAND_LINES.append(([*MODEL[:-1], "cuda:1"], "argparse", "--device: got 'cuda:1' but no CUDA device is visible"))
+
+
+@pytest.mark.parametrize("argv, where, message", COMMAND_LINES, ids=[" ".join(c[0][:1] + c[0][-2:]) for c in
+                                                                       COMMAND_LINES])
+def test_a_bad_command_line_is_refused_before_work(argv, where, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--results-dir", str(tmp_path / "runs")])
+    if where == "argparse":
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    else:
+        assert message in str(stop.value.code)
+    assert not (tmp_path / "runs").exists()  # nothing was measured or written
+
+
+TOKENS = np.arange(100, dtype=np.int64)
+PARAMS = [torch.nn.Parameter(torch.zeros(2))]
+
+# (a call that must be refused, the error type, the text its message must contain)
+PYTHON_CALLS = [
+    (lambda: get_batch(TOKENS, -1, 8, "cpu"), ValueError, "get_batch: batch_size must be a positive integer, got -1"),
+    (lambda: get_batch(TOKENS, 2, 0, "cpu"), ValueError, "get_batch: context_length must be a positive integer, got 0"),
+    (lambda: get_batch(TOKENS, 2.5, 8, "cpu"), ValueError, "batch_size must be a positive integer, got 2.5"),
+    (lambda: get_batch(TOKENS, 2, 100, "cpu"), ValueError, "dataset has 100 tokens, needs more than context_length"),
+    (lambda: AdamW(PARAMS, lr=math.nan), ValueError, "AdamW: lr must be a number >= 0, got nan"),
+    (lambda: AdamW(PARAMS, lr=-1e-3), ValueError, "AdamW: lr must be a number >= 0, got -0.001"),
+    (lambda: AdamW(PARAMS, eps=math.nan), ValueError, "AdamW: eps must be > 0, got nan"),
+    (lambda: AdamW(PARAMS, weight_decay=math.nan), ValueError, "AdamW: weight_decay must be >= 0, got nan"),
+    (lambda: AdamW(PARAMS, betas=(math.nan, 0.9)), ValueError, "AdamW: betas must lie in [0, 1)"),
+    (lambda: BasicsTransformerLM(100, 16, 30, 1, 4, 64, 10000.0), ValueError,
+     "BasicsTransformerLM: d_model=30 must be divisible by num_heads=4"),
+    (lambda: CheckpointPolicy.parse("partial:x"), ValueError, "partial needs a block count M >= 0"),
+    (lambda: CheckpointPolicy.parse("partial:3").check_fits(2), ValueError, "names 3 blocks but the model has 2"),
+    (lambda: Recipe(compile="yes"), ValueError, "Recipe: compile must be one of off, model, block, got 'yes'"),
+    (lambda: Recipe(optimizer="sgd"), ValueError, "Recipe: optimizer must be one of cs336, fused, got 'sgd'"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", PYTHON_CALLS, ids=[c[2][:40] for c in PYTHON_CALLS])
+def test_a_bad_python_call_is_refused_naming_the_argument(call, error, message):
+    with pytest.raises(error) as raised:
+        call()
+    assert message in str(raised.value)
+
+
+def test_an_out_of_memory_on_the_cpu_is_recorded_as_oom():
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"))
+    assert is_oom(MemoryError()) and is_oom(torch.OutOfMemoryError("CUDA out of memory."))
+    assert not is_oom(RuntimeError("shape mismatch"))

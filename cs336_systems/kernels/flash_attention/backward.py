@@ -40,7 +40,7 @@ from cs336_systems.kernels._triton_utils import (
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
-from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
+from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles
 
 
 @triton.jit
@@ -347,13 +347,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
     delta = tl.load(Delta + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    full_key_tiles_end = (n_keys // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        unmasked_end = tl.minimum(m0, full_key_tiles_end)
-        masked_end = tl.minimum(m0 + BLOCK_M, n_keys)
-    else:
-        unmasked_end = full_key_tiles_end
-        masked_end = n_keys
+    unmasked_end, masked_end = key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
                        False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,

@@ -26,7 +26,7 @@ from cs336_systems.kernels._triton_utils import (
     configs_from_families,
     tile_family,
 )
-from cs336_systems.kernels.flash_attention.tiles import load_tile, operand_tiles
+from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles
 
 LOG2E = 1.4426950408889634
 MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
@@ -133,13 +133,7 @@ def flash_forward_kernel(Q, K, V, O, L,
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    full_key_tiles_end = (n_keys // BLOCK_N) * BLOCK_N
-    if IS_CAUSAL:
-        unmasked_end = tl.minimum(m0, full_key_tiles_end)
-        masked_end = tl.minimum(m0 + BLOCK_M, n_keys)
-    else:
-        unmasked_end = full_key_tiles_end
-        masked_end = n_keys
+    unmasked_end, masked_end = key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, 0, unmasked_end, n_keys,
                                       qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,

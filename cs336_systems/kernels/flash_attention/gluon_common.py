@@ -30,6 +30,18 @@ def tile_layout(element_bits):
     return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=element_bits, rank=2)
 
 
+@triton.constexpr_function
+def wgmma_layout(warps, columns):
+    """The register layout of a wgmma result `columns` wide, its rows spread over `warps` warps (16 rows each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, columns, 16])
+
+
+@triton.constexpr_function
+def operand_layout(result_layout):
+    """A 16-bit A operand held in registers for a wgmma whose result has `result_layout`."""
+    return gl.DotOperandLayout(operand_index=0, parent=result_layout, k_width=2)
+
+
 @builtin
 def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """global[tile at coord] += shared src, by the copy engine (cp.reduce.async.bulk.tensor, Hopper). Triton

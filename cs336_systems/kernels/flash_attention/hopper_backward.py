@@ -49,12 +49,14 @@ from cs336_systems.kernels.flash_attention.gluon_common import (
     GluonPass,
     input_args,
     one_pass_rows,
+    operand_layout,
     probabilities_t,
     query_tile_of_program,
     row_strides,
     row_tiles,
     tile_layout,
     tma_reduce_add,
+    wgmma_layout,
 )
 
 HEAD_DIMS = (64, 128)
@@ -249,11 +251,9 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, dq_rows, HEAD_DIM),
     zeroed by the caller, dq_rows >= n_queries in whole tiles (`_dk_and_dq_share`)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = operand_layout(acc_layout)
     batch_head = gl.program_id(1)
     b = (batch_head // n_heads).to(gl.int64)
     h = (batch_head % n_heads).to(gl.int64)
@@ -307,10 +307,10 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(kv_bar, 0)
     if KV_REGS == 2:
-        k_op = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        v_op = v_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        k_op = k_smem.load(operand_layout(s_layout))
+        v_op = v_smem.load(operand_layout(s_layout))
     elif KV_REGS == 1:
-        k_op = k_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        k_op = k_smem.load(operand_layout(s_layout))
         v_op = v_smem
     else:
         k_op = k_smem
@@ -402,11 +402,9 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     shared memory in S = Q K^T and dP = dO V^T, 1 holds Q in registers, 2 both (the products then read only
     K^T / V^T from shared memory: half the bytes per FLOP; DQ_QDO_REGS)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = operand_layout(acc_layout)
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
     q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
@@ -438,7 +436,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(q_bar, 0)
-    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    operand: gl.constexpr = operand_layout(s_layout)
     if QDO_REGS == 2:
         q_op = q_smem.load(operand)
         do_op = do_smem.load(operand)

@@ -38,9 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
     GluonPass,
+    operand_layout,
     query_tile_of_program,
     row_strides,
     row_tiles,
+    wgmma_layout,
 )
 
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * LOG2E.value)  # forward.py's -1e6, log2 units
@@ -186,11 +188,9 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas)."""
     gl.static_assert(STAGES >= 2, "the V ring is refilled one step behind the K ring")
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
@@ -344,11 +344,9 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
                  lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    op_layout: gl.constexpr = operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype
     rows0 = m0 + half * WS_CONSUMER_ROWS

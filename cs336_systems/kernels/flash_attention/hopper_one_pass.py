@@ -42,11 +42,13 @@ from cs336_systems.kernels.flash_attention.gluon_common import (
     GluonPass,
     input_args,
     one_pass_rows,
+    operand_layout,
     probabilities_t,
     row_strides,
     row_tiles,
     tile_layout,
     tma_reduce_add,
+    wgmma_layout,
 )
 
 HEAD_DIMS = (128,)
@@ -140,13 +142,10 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, HEAD_DIM, 16])
-    share_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM // 2, 16])
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
+    share_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM // 2)
+    op_layout: gl.constexpr = operand_layout(acc_layout)
     keys0 = n0 + half * KEYS_PER_CONSUMER
     k_half = k_smem.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0)
     v_half = v_smem.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0)

@@ -44,3 +44,18 @@ def load_tile(tiles, row, CHECKED: tl.constexpr, TRANSPOSED: tl.constexpr, USE_T
     else:
         tile = tl.load(tiles)
     return tile
+
+
+@triton.jit
+def key_tile_ends(m0, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the query tile at row m0: (where the key tiles it reads without a mask end, where its keys end).
+    Whole key tiles below the diagonal need no mask; causal, the tiles on the diagonal (and a ragged last tile)
+    do, and none past the tile's last query is read."""
+    full_key_tiles_end = (n_keys // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        unmasked_end = tl.minimum(m0, full_key_tiles_end)
+        masked_end = tl.minimum(m0 + BLOCK_M, n_keys)
+    else:
+        unmasked_end = full_key_tiles_end
+        masked_end = n_keys
+    return unmasked_end, masked_end

@@ -40,7 +40,7 @@ from cs336_systems.kernels._triton_utils import (
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
-from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles
+from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles, query_tile_of_program
 
 
 @triton.jit
@@ -325,10 +325,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     USE_TMA: tl.constexpr = False):
-    n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
-    query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b, h = batch_head // n_heads, batch_head % n_heads
+    query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     m0 = query_tile * BLOCK_M
     q_block = tl.make_block_ptr(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
                                 shape=(n_queries, head_dim), strides=(stride_qn, stride_qd), offsets=(m0, 0),

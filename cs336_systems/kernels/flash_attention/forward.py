@@ -26,7 +26,7 @@ from cs336_systems.kernels._triton_utils import (
     configs_from_families,
     tile_family,
 )
-from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles
+from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles, query_tile_of_program
 
 LOG2E = 1.4426950408889634
 MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
@@ -110,11 +110,7 @@ def flash_forward_kernel(Q, K, V, O, L,
                          IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          USE_TMA: tl.constexpr = False):
-    n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
-    # Causal: the last query tiles see the most keys; start them first.
-    query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b, h = batch_head // n_heads, batch_head % n_heads
+    query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh

@@ -59,3 +59,14 @@ def key_tile_ends(m0, n_keys, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
         unmasked_end = full_key_tiles_end
         masked_end = n_keys
     return unmasked_end, masked_end
+
+
+@triton.jit
+def query_tile_of_program(n_queries, n_heads, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """(query tile, batch x head, batch, head) of this program in a (query tiles, batch x heads) grid.
+    Causal: the last query tiles see the most keys, so they start first and the grid's tail is short."""
+    n_query_tiles = tl.cdiv(n_queries, BLOCK_M)
+    query_tile = n_query_tiles - 1 - tl.program_id(0) if IS_CAUSAL else tl.program_id(0)
+    batch_head = tl.program_id(1)
+    b, h = batch_head // n_heads, batch_head % n_heads
+    return query_tile, batch_head, b, h

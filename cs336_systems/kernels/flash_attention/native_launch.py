@@ -39,8 +39,9 @@ ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u3
 _INTEGER_KINDS = {"i1": "i1", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64", "u1": "u8", "u8": "u8",
                   "u16": "u16", "u32": "u32", "u64": "u64"}
 _REAL_KINDS = {"fp32": "fp32", "f32": "fp32", "fp64": "fp64"}
-# backward name -> the code plans are registered under (dispatch.BACKWARD_OPTIONS' names)
-BACKWARD_CODES = {"triton": 0, "two-pass": 1, "tl": 2, "fused": 3}
+# backward name -> the code its native plans are registered under: its place in dispatch.BACKWARD_OPTIONS, the one
+# table of the backwards `flash_attention` offers ("compile" is not planned).
+BACKWARD_CODES = {name: code for code, name in enumerate(dispatch.BACKWARD_OPTIONS)}
 ACCUM_CODES = {None: 0, "gluon": 1, "tl": 2}
 
 _enabled = os.environ.get("CS336_FLASH_NATIVE", "1") != "0"

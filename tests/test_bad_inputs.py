@@ -12,6 +12,7 @@ from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
 from cs336_systems.bench.cli import main
 from cs336_systems.bench.common import is_oom
+from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
 from cs336_systems.memory.policy import CheckpointPolicy
 from cs336_systems.recipe import Recipe
 
@@ -63,6 +64,7 @@ def test_a_bad_command_line_is_refused_before_work(argv, where, message, tmp_pat
 
 TOKENS = np.arange(100, dtype=np.int64)
 PARAMS = [torch.nn.Parameter(torch.zeros(2))]
+Q = torch.randn(1, 8, 16)
 
 # (a call that must be refused, the error type, the text its message must contain)
 PYTHON_CALLS = [
@@ -81,6 +83,17 @@ PYTHON_CALLS = [
     (lambda: CheckpointPolicy.parse("partial:3").check_fits(2), ValueError, "names 3 blocks but the model has 2"),
     (lambda: Recipe(compile="yes"), ValueError, "Recipe: compile must be one of off, model, block, got 'yes'"),
     (lambda: Recipe(optimizer="sgd"), ValueError, "Recipe: optimizer must be one of cs336, fused, got 'sgd'"),
+    (lambda: FlashAttentionPytorch.apply(Q, Q.double(), Q), ValueError,
+     "FlashAttentionPytorch: q, k, v must share a dtype, got torch.float32, torch.float64, torch.float32"),
+    (lambda: FlashAttentionPytorch.apply(Q, Q[:, :0], Q[:, :0]), ValueError,
+     "FlashAttentionPytorch: sequences must be non-empty"),
+    (lambda: FlashAttentionPytorch.apply(Q, Q[..., :8], Q[..., :8]), ValueError,
+     "FlashAttentionPytorch: q, k, v must share the head dim, got 16, 8, 8"),
+    (lambda: FlashAttentionPytorch.apply(Q, Q, torch.randn(1, 7, 16)), ValueError,
+     "FlashAttentionPytorch: batch/head dims must match and k, v must have the same length"),
+    (lambda: FlashAttentionPytorch.apply(Q[..., :0], Q[..., :0], Q[..., :0]), ValueError,
+     "FlashAttentionPytorch: the head dim must be at least 1, got 0"),
+    (lambda: FlashAttentionPytorch.apply(Q[0], Q[0], Q[0]), ValueError, "FlashAttentionPytorch: q must be 3-D"),
 ]
 
 
@@ -96,3 +109,17 @@ def test_an_out_of_memory_on_the_cpu_is_recorded_as_oom():
                                "you tried to allocate 1099511627776 bytes. Error code 12 (Cannot allocate memory)"))
     assert is_oom(MemoryError()) and is_oom(torch.OutOfMemoryError("CUDA out of memory."))
     assert not is_oom(RuntimeError("shape mismatch"))
+
+
+def test_triton_attention_refuses_what_its_kernels_cannot_compute(monkeypatch):
+    """bf16 on the CPU (Triton 3.6's interpreter gets bf16 products wrong) and a head dim of 0, before any launch."""
+    from cs336_systems.kernels.flash_attention.dispatch import validate_attention_inputs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    bf16 = Q.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 on the CPU runs under Triton's interpreter"):
+        validate_attention_inputs(bf16, bf16, bf16)
+    with pytest.raises(ValueError, match="flash attention: the head dim must be at least 1, got 0"):
+        validate_attention_inputs(Q[..., :0], Q[..., :0], Q[..., :0])
+    validate_attention_inputs(Q.half(), Q.half(), Q.half())  # fp16 and fp32 compute correctly there
+    validate_attention_inputs(Q, Q, Q)

@@ -41,6 +41,7 @@ from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_k
 from cs336_systems.kernels.flash_attention.precision import (
     dot_precision,
 )
+from cs336_systems.kernels.flash_attention.reference import check_attention_inputs
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
@@ -51,29 +52,20 @@ BACKWARD_IMPLS = (*BACKWARD_OPTIONS, "compile")
 
 
 def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise a clear error, before any allocation, for inputs the kernel does not take."""
-    if q.dim() not in (3, 4):
-        raise ValueError(f"flash attention: q must be 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), "
-                         f"got shape {tuple(q.shape)}")
-    if k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(f"flash attention: q, k, v must have the same number of dims, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"flash attention: batch/head dims must match and k, v must have the same length, got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        raise ValueError(f"flash attention: q, k, v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, "
-                         f"{v.shape[-1]}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"flash attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    """Raise a clear error, before any allocation, for inputs the kernel does not take: those every implementation
+    refuses (`reference.check_attention_inputs`), a head dim past the kernel's tiles, a device the kernels do not
+    run on, and bf16 under Triton's CPU interpreter, whose tl.dot multiplies bf16 bit patterns (Triton 3.6): its
+    results would be wrong, silently."""
+    check_attention_inputs(q, k, v, "flash attention")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"flash attention: dtype {q.dtype} is not supported; allowed: float16, bfloat16, float32")
     if q.shape[-1] > MAX_HEAD_DIM[q.dtype]:
         raise ValueError(f"flash attention: head dim {q.shape[-1]} is too large for {q.dtype}; "
                          f"at most {MAX_HEAD_DIM[q.dtype]}")
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        raise ValueError("flash attention: sequences must be non-empty")
     check_kernel_device("flash attention", q, k, v)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise ValueError("flash attention: bfloat16 on the CPU runs under Triton's interpreter, whose tl.dot "
+                         "gives wrong bf16 products (Triton 3.6); use float32 or float16 there, or a CUDA device")
 
 
 def _as_4d(x: torch.Tensor) -> torch.Tensor:

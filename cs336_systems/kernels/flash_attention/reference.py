@@ -14,6 +14,29 @@ import torch
 MASK_VALUE = -1e6  # added to masked scores (not -inf), as the assignment specifies
 
 
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
+    """What every attention here refuses, named in its message (`where`): q, k, v of other than 3 or 4 dims or of
+    mismatched dims, lengths, head dims or dtypes; an empty sequence; a head dim of 0."""
+    if q.dim() not in (3, 4):
+        raise ValueError(f"{where}: q must be 3-D (batch, seq, d) or 4-D (batch, heads, seq, d), "
+                         f"got shape {tuple(q.shape)}")
+    if k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"{where}: q, k, v must have the same number of dims, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{where}: batch/head dims must match and k, v must have the same length, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"{where}: q, k, v must share the head dim, got {q.shape[-1]}, {k.shape[-1]}, "
+                         f"{v.shape[-1]}")
+    if q.shape[-1] == 0:
+        raise ValueError(f"{where}: the head dim must be at least 1, got 0")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{where}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"{where}: sequences must be non-empty")
+
+
 def causal_mask(n_queries: int, n_keys: int, device, query_start: int = 0, key_start: int = 0) -> torch.Tensor:
     """(n_queries, n_keys) bool, True where the key is visible (key index <= query index);
     the starts place a tile inside the full matrix."""
@@ -122,6 +145,7 @@ class FlashAttentionPytorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
+        check_attention_inputs(q, k, v, "FlashAttentionPytorch")
         out, lse = flash_forward_tiled(q, k, v, bool(is_causal), FlashAttentionPytorch.Q_TILE,
                                        FlashAttentionPytorch.K_TILE)
         ctx.save_for_backward(lse, q, k, v, out)

@@ -45,6 +45,8 @@ COMMAND_LINES = [
     (["leaderboard", "--preset", "tiny", "--device", "cpu", "--checkpoint", "partial:9"], "exit",
      "--checkpoint: 'partial:9' names 9 blocks but the model has 2"),
     (["collectives", "--device", "cpu", "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
+    (["attention-tune", "--device", "cpu", "--dtype", "bf16"], "exit",
+     "attention-tune: --dtype bf16 on the CPU runs under Triton's interpreter"),
 ]
 if not torch.cuda.is_available():
     COMMAND_LINES.append(([*MODEL[:-1], "cuda:1"], "argparse", "--device: got 'cuda:1' but no CUDA device is visible"))

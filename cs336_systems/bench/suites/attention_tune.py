@@ -226,6 +226,9 @@ def run(args) -> int:
     if args.device.type != "cuda" and not interpreting():
         raise SystemExit("attention-tune: the kernels are timed on a CUDA device; got --device "
                          f"{args.device} (run the tests under TRITON_INTERPRET=1 for CPU checks)")
+    if args.device.type == "cpu" and args.dtype == "bf16":
+        raise SystemExit("attention-tune: --dtype bf16 on the CPU runs under Triton's interpreter, whose bf16 "
+                         "products are wrong (Triton 3.6); use --dtype fp16 there")
     from cs336_systems.bench.suites.attention import attention_fn, measure_pass
 
     causal = args.causal == "on"

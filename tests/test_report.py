@@ -198,3 +198,11 @@ def test_out_pointing_at_a_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--results-dir", str(tmp_path / "results"), "--out", str(tmp_path / "docs")])
     assert "--out:" in capsys.readouterr().err and (tmp_path / "docs").read_text() == "a file the user keeps"
+
+
+def test_model_rows_of_one_provider_build_a_report(tmp_path):
+    """A user's own runs may hold `ours` only (no baseline): the report says what it can, without a ratio."""
+    rows = [_row("model", "ours", "time", 80.0, preset="small", context=512, batch=4, dtype="fp32", compile=False,
+                 attention="reference", mode="train-step")]
+    text = _report_from(tmp_path, "model", rows)
+    assert "## benchmarking_script" in text and "80.0" in text and "the baseline's time in fp32" not in text

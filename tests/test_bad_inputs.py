@@ -41,7 +41,7 @@ COMMAND_LINES = [
     (["memory", "search", "--device", "cpu", "--policies", "every-k:0"], "argparse",
      "--policies: checkpoint policy every-k needs a positive group size"),
     (["leaderboard", "--preset", "tiny", "--device", "cpu", "--fit-fraction", "1.5"], "argparse",
-     "--fit-fraction: got 1.5; must be in (0, 1]"),
+     "--fit-fraction: got '1.5'; must be in (0, 1]"),
     (["leaderboard", "--preset", "tiny", "--device", "cpu", "--checkpoint", "partial:9"], "exit",
      "--checkpoint: 'partial:9' names 9 blocks but the model has 2"),
     (["collectives", "--device", "cpu", "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),

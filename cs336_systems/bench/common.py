@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from cs336_systems.memory.policy import CheckpointPolicy
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,16 +66,37 @@ def positive_int(name: str, minimum: int = 1):
     return parse
 
 
-def fraction(name: str):
-    """argparse type: a number in (0, 1], the error naming the option."""
+def _number(name: str, accepts, allowed: str):
+    """argparse type: a number that `accepts(value)`, the error naming the option and what is `allowed`."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(f"{name}: got {value}; must be in (0, 1]")
+        if not accepts(value):
+            raise argparse.ArgumentTypeError(f"{name}: got {text!r}; must be {allowed}")
         return value
+
+    return parse
+
+
+def fraction(name: str):
+    """argparse type: a number in (0, 1]."""
+    return _number(name, lambda value: 0 < value <= 1, "in (0, 1]")
+
+
+def positive_float(name: str):
+    """argparse type: a finite number > 0."""
+    return _number(name, lambda value: value > 0 and math.isfinite(value), "a finite number > 0")
+
+
+def checkpoint_policy(name: str):
+    """argparse type: a checkpointing policy, parsed here once (memory/policy.py), the error naming the option."""
+    def parse(text: str) -> CheckpointPolicy:
+        try:
+            return CheckpointPolicy.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"{name}: {error}") from None
 
     return parse
 
@@ -120,16 +143,3 @@ def is_oom(error: BaseException) -> bool:
     return (isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
             or "can't allocate memory" in text)
 
-
-def positive_float(name: str):
-    """argparse type: a finite number > 0, the error naming the option."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a number") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"{name}: got {text!r}; must be a finite number > 0")
-        return value
-
-    return parse

@@ -96,7 +96,6 @@ class FSDP(nn.Module):
             raise ValueError(f"FSDP: unit must be 'block' or 'layer', got {unit!r}")
         self.module = module
         self.compute_dtype = compute_dtype
-        self.exact_gradients = exact_gradients
         self.world_size, self.rank = comm.world_size(), comm.rank()
         broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
         self._units: list[_ShardedWeight] = []

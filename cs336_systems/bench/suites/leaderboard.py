@@ -51,6 +51,7 @@ from cs336_systems.attention import attention_names
 from cs336_systems.bench.common import (
     DTYPES,
     add_common_arguments,
+    checkpoint_policy,
     error_message,
     fraction,
     free_memory,
@@ -119,13 +120,8 @@ def add_arguments(parser) -> None:
 
 
 def _policy_or_auto(text: str) -> CheckpointPolicy | str:
-    """argparse type of --checkpoint: "auto", or a policy parsed once here."""
-    if text == "auto":
-        return text
-    try:
-        return CheckpointPolicy.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--checkpoint: {error}") from None
+    """argparse type of --checkpoint: "auto" (the memory model's ladder), or a policy."""
+    return text if text == "auto" else checkpoint_policy("--checkpoint")(text)
 
 
 def _our_recipe(args, on_cuda: bool) -> Recipe:

@@ -11,8 +11,6 @@ left out; a storage saved twice counts once. Rows: total, per module, and per to
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from cs336_basics.model import RMSNorm, TransformerBlock
@@ -39,7 +37,8 @@ def add_arguments(parser) -> None:
     part.add_argument("--rmsnorm", action="store_true", help="one RMSNorm alone")
     parser.add_argument("--compile", action="store_true", help="torch.compile the module first")
     parser.add_argument("--top", type=common.positive_int("--top"), default=10, help="top operations to list")
-    parser.add_argument("--policies", type=_policy_list, default=None,
+    parser.add_argument("--policies", type=common.list_of(common.checkpoint_policy("--policies"), name="--policies"),
+                        default=None,
                         help="search: comma-separated policies to measure (default: none, every-k over the candidate "
                              "group sizes, nested)")
     parser.add_argument("--steps", type=common.positive_int("--steps"), default=3,
@@ -104,14 +103,6 @@ def _candidate_group_sizes(n: int) -> list[int]:
     root = round(n ** 0.5)
     ks.update(x for x in (root - 1, root + 1) if 1 <= x <= n)
     return sorted(ks)
-
-
-def _policy_list(text: str) -> list[CheckpointPolicy]:
-    """argparse type of --policies: comma-separated policies, each parsed once here."""
-    try:
-        return [CheckpointPolicy.parse(p.strip()) for p in text.split(",")]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--policies: {error}") from None
 
 
 def _measure_policy(cfg, policy, args, device):

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ours, baseline (PyTorch-native LM, SDPA, fused AdamW), or ours,baseline")
     parser.add_argument("--attention", choices=attention_names(), default="reference",
                         help="our attention implementation (default: reference, the staff maths)")
-    parser.add_argument("--checkpoint", type=_checkpoint_policy, default="none",
+    parser.add_argument("--checkpoint", type=common.checkpoint_policy("--checkpoint"), default="none",
                         help="activation checkpointing of our model: none, every-block, every-k:K, partial:M, "
                              "sqrt, nested, ffn, attn; +keep-attn on every-block/every-k/partial/sqrt keeps the "
                              "attention outputs (default none; the baseline is never checkpointed)")
@@ -100,14 +100,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", action="store_true",
                         help="CUDA memory history: snapshot pickle, timeline PNG and per-phase peaks")
     common.add_common_arguments(parser)
-
-
-def _checkpoint_policy(text: str) -> CheckpointPolicy:
-    """argparse type of --checkpoint: the policy, parsed once here."""
-    try:
-        return CheckpointPolicy.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--checkpoint: {e}") from None
 
 
 def _overrides(args) -> dict:

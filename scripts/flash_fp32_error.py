@@ -80,7 +80,7 @@ def measure(seq: int, d: int, seed: int, device: str, backward: str) -> list[dic
     low_out = naive_attention(*low_in, True, upcast=False)
     low = torch.autograd.grad(low_out, low_in, grad_out)
     out, lse = flash_forward(q, k, v, True)
-    ours = flash_backward(q, k, v, out, lse, grad_out, True, **BACKWARD_OPTIONS[backward])
+    ours = flash_backward(q, k, v, out, lse, grad_out, True, BACKWARD_OPTIONS[backward])
     variants = {"torch-naive": low, "ours": ours,
                 "emulate-our-L": backward_from_lse(q, k, v, out, lse, grad_out, True),
                 "emulate-exact-L": backward_from_lse(q, k, v, out, exact_lse.float(), grad_out, True),

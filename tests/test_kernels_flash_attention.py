@@ -318,19 +318,19 @@ def test_descriptor_allocator_is_installed_per_thread():
 
     from triton.runtime import _allocation
 
-    from cs336_systems.kernels.flash_attention.dispatch import _descriptor_scratch, _install_descriptor_allocator
+    from cs336_systems.kernels.flash_attention.launches import descriptor_scratch, install_descriptor_allocator
 
     seen = []
 
     def worker():
-        _install_descriptor_allocator()
+        install_descriptor_allocator()
         seen.append(_allocation._allocator.get())
 
-    _install_descriptor_allocator()  # here first: a fresh thread still starts from the null allocator
+    install_descriptor_allocator()  # here first: a fresh thread still starts from the null allocator
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join()
-    assert seen == [_descriptor_scratch]
+    assert seen == [descriptor_scratch]
 
 
 @pytest.mark.parametrize("shape,causal", [((1, 2, 40, 40, 16), True), ((2, 1, 33, 50, 32), False),
@@ -353,19 +353,20 @@ def test_forward_through_tensor_descriptors_matches(shape, causal):
 
 
 def test_forward_takes_descriptors_by_default_only_on_hopper():
-    from cs336_systems.kernels.flash_attention.dispatch import _has_tma, forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
+    from cs336_systems.kernels.flash_attention.launches import has_tma
 
     device = kernel_device()
     q, k, v = (t.detach() for t in _inputs(1, 2, 64, 64, 32, torch.bfloat16, device))
     launch, _, _ = forward_launch(q, k, v, True)
-    expected = q.device.type == "cuda" and _has_tma(q.device)
+    expected = q.device.type == "cuda" and has_tma(q.device)
     assert launch.flags.get("USE_TMA", False) is expected
     odd, _, _ = forward_launch(q[..., :20], k[..., :20], v[..., :20], True)  # 40-byte rows: never eligible
     assert "USE_TMA" not in odd.flags
 
 
 def test_tma_eligibility():
-    from cs336_systems.kernels.flash_attention.dispatch import tma_eligible
+    from cs336_systems.kernels.flash_attention.launches import tma_eligible
 
     assert tma_eligible(torch.randn(2, 4, 64, 64, dtype=torch.bfloat16))
     assert not tma_eligible(torch.randn(2, 4, 64, 20, dtype=torch.bfloat16))  # 40-byte rows
@@ -522,10 +523,10 @@ def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
 
 
 def test_gluon_passes_only_where_eligible():
-    from cs336_systems.kernels.flash_attention.dispatch import KernelLaunch, forward_launch, tma_eligible
-    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
+    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
     from cs336_systems.kernels.flash_attention.hopper_backward import eligible
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel, flash_forward_ws_kernel
+    from cs336_systems.kernels.flash_attention.launches import GluonPass, KernelLaunch, tma_eligible
 
     assert not eligible(torch.randn(1, 1, 64, 64, dtype=torch.bfloat16))  # CPU tensors
     device = kernel_device()
@@ -554,14 +555,15 @@ def test_gluon_passes_only_where_eligible():
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_backward_matches_reference(shape, causal, dtype):
     from cs336_systems.kernels.flash_attention import dispatch, function, hopper_one_pass
-    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, ONE_PASS_HEAD_DIMS
+    from cs336_systems.kernels.flash_attention.launches import GluonPass
 
     class GluonBoth(function.FlashAttentionTriton):  # both passes in Gluon, whatever the default
         @staticmethod
         def backward(ctx, grad_out):
             lse, q, k, v, out = ctx.saved_tensors
-            return (*dispatch.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal, gluon=True), None)
+            return (*dispatch.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
+                                            dispatch.BackwardOptions(gluon=True)), None)
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]
@@ -624,7 +626,7 @@ def test_gluon_one_pass_backward_matches_reference(shape, causal, dtype):
     """backward="fused" on Hopper: a Gluon one-pass kernel adding dQ's shares into fp32 rows (the
     warp-specialised one at its head dims, else the lockstep dK/dV pass with a dQ split)."""
     from cs336_systems.kernels.flash_attention import dispatch, hopper_one_pass
-    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
+    from cs336_systems.kernels.flash_attention.launches import GluonPass
 
     b, h, n, m, d = shape
     probe = [torch.empty(b, *(() if h is None else (h,)), x, d, device="cuda", dtype=dtype) for x in (n, m, m)]

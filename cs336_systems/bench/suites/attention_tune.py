@@ -150,9 +150,9 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
-    from cs336_systems.kernels.flash_attention.gluon_common import GluonPass
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
+    from cs336_systems.kernels.flash_attention.launches import GluonPass
 
     q, k, v, out, lse, grad_out = inputs
     forward, _, _ = forward_launch(q, k, v, causal, use_tma=False)

@@ -9,9 +9,11 @@ accuracy on tensor cores) and "tf32" are chosen as `precision.py` says.
 L (the row log-sum-exp) is computed and kept in fp32 whatever the input dtype: rounding
 it to bf16 would put errors of several percent into the recomputed P.
 
-`forward_launch` / `backward_launches` decide, per call, which kernels run and with what
-arguments; `flash_forward` / `flash_backward` run them, and replay a launch plan
-(`launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The autograd Function and
+`forward_launch` decides which forward kernel runs; `choose_backward` resolves the backward's options
+(`BackwardOptions`, from the user's `backward=`) into its kernels (`BackwardChoice`) in one place, and
+`backward_launches` builds them. `flash_forward` / `flash_backward` run them, and replay a launch plan
+(`launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The launch records and the
+device facts they need are in launches.py. The autograd Function and
 the public `flash_attention` are in function.py; the C++ replay of the same plans in native_launch.py.
 """
 
@@ -38,6 +40,13 @@ from cs336_systems.kernels.flash_attention.backward import (
     flash_preprocess_kernel,
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
+from cs336_systems.kernels.flash_attention.launches import (
+    FixedLaunch,
+    KernelLaunch,
+    has_tma,
+    install_descriptor_allocator,
+    tma_eligible,
+)
 from cs336_systems.kernels.flash_attention.precision import (
     dot_precision,
 )
@@ -45,9 +54,29 @@ from cs336_systems.kernels.flash_attention.reference import check_attention_inpu
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
-# `flash_backward`'s options per backward of `flash_attention` ("compile" is the torch.compile'd PyTorch one).
-BACKWARD_OPTIONS = {"triton": {}, "two-pass": dict(fused=False), "tl": dict(fused=False, gluon=False),
-                     "fused": dict(fused=True)}
+
+
+@dataclass(frozen=True)
+class BackwardOptions:
+    """What a caller asks of the Triton backward; `choose_backward` resolves it, once per input signature, into
+    the kernels that run. None: as measured fastest (the constants of hopper_backward.py / hopper_one_pass.py).
+
+    fused: one pass that also reduces dQ into an fp32 buffer (not bit-reproducible run to run: fp32 sums in
+    arrival order) or two passes (dK/dV, then dQ). gluon: the Gluon kernels (Hopper, fp16/bf16, head dim 64 or
+    128, TMA strides) where the inputs qualify; False: the `tl` kernels of backward.py everywhere. use_tma: the
+    `tl` passes read their inner loop's tiles through tensor descriptors (an experiment for attention-tune).
+    warp_specialised: with one Gluon pass, the warp-specialised kernel (hopper_one_pass.py) at its head dims
+    (None or True) or the lockstep one (False)."""
+
+    fused: bool | None = None
+    gluon: bool | None = None
+    use_tma: bool = False
+    warp_specialised: bool | None = None
+
+
+# The options of each `backward=` of `flash_attention` ("compile" is the torch.compile'd PyTorch backward).
+BACKWARD_OPTIONS = {"triton": BackwardOptions(), "two-pass": BackwardOptions(fused=False),
+                    "tl": BackwardOptions(fused=False, gluon=False), "fused": BackwardOptions(fused=True)}
 BACKWARD_IMPLS = (*BACKWARD_OPTIONS, "compile")
 
 
@@ -80,65 +109,6 @@ def _launch_shape(q: torch.Tensor, k: torch.Tensor):
     return block_d, block_d == head_dim, precision, buckets
 
 
-@dataclass
-class KernelLaunch:
-    """One kernel's arguments, compile-time flags and grid (a function of the chosen tile sizes).
-
-    `flash_forward` / `flash_backward` launch these through the autotuned kernels; the tuning
-    suite (`cs336-bench attention-tune`) launches the same arguments with explicit configs.
-    """
-
-    kernel: object  # a triton Autotuner; `.fn` is the bare JITFunction
-    args: tuple
-    flags: dict
-    grid: object  # meta -> grid tuple
-
-    def __call__(self):
-        self.kernel[self.grid](*self.args, **self.flags)
-
-    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
-        """The bare kernel launched with one explicit config (no autotuning)."""
-        def launch():
-            self.kernel.fn[self.grid](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                      num_warps=num_warps, num_stages=num_stages)
-        return launch
-
-    def launch_for_plan(self):
-        """Launch through the autotuner (which tunes on a key's first call); (compiled kernel, grid, every
-        parameter's value) for `launch_plan`."""
-        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
-        params = {**self.flags, **self.kernel.best_config.all_kwargs()}
-        return compiled, self.grid(params), launch_plan.bound_values(self.kernel.fn, self.args, params)
-
-
-@dataclass
-class FixedLaunch:
-    """A bare kernel on a fixed grid (the backward's D preprocess)."""
-
-    kernel: object  # a JITFunction
-    args: tuple
-    flags: dict
-    grid: tuple
-
-    def __call__(self):
-        self.kernel[self.grid](*self.args, **self.flags)
-
-    def launch_for_plan(self):
-        compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
-        return compiled, self.grid, launch_plan.bound_values(self.kernel, self.args, self.flags)
-
-
-def tma_eligible(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors (the copy engine) need unit stride along d and 16-byte aligned bases and row,
-    batch and head strides; any 4-D view of ours that meets that qualifies."""
-    for t in tensors:
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any(stride * t.element_size() % 16 for stride in t.stride()[:-1]):
-            return False
-    return True
-
-
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                    use_tma: bool | None = None, gluon: bool | None = None, warp_specialised: bool | None = None):
     """(launch, O, L): O like q, L fp32 of shape q.shape[:-1], both written when the launch runs.
@@ -152,7 +122,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     `hopper_forward.GLUON_HEAD_DIMS` says it measured faster; False: never (use_tma=False implies it).
     warp_specialised: which Gluon forward (`hopper_forward.forward_pass`); None: as measured fastest."""
     if use_tma is None:
-        use_tma = _has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
+        use_tma = has_tma(q.device)  # (the interpreter runs on CPU tensors: never)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
@@ -160,7 +130,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     o4 = _as_4d(out)
     if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
             and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
-        _install_descriptor_allocator(q.device)
+        install_descriptor_allocator(q.device)
         launch = hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim),
                                              warp_specialised)
         return launch, out, lse
@@ -170,7 +140,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
             heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if use_tma and tma_eligible(q4, k4, v4, o4):
-        _install_descriptor_allocator(q.device)
+        install_descriptor_allocator(q.device)
         flags["USE_TMA"] = True
     launch = KernelLaunch(flash_forward_kernel, args, flags,
                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
@@ -208,9 +178,8 @@ def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
     return "forward", bool(is_causal), dot_precision(q.dtype), launch_plan.tensor_signature(q, k, v)
 
 
-def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
-                      gluon: bool | None = None) -> tuple:
-    return ("backward", bool(is_causal), fused, gluon, dot_precision(q.dtype),
+def backward_plan_key(q, k, v, out, lse, grad_out, is_causal: bool, options: BackwardOptions) -> tuple:
+    return ("backward", bool(is_causal), options, dot_precision(q.dtype),
             launch_plan.tensor_signature(q, k, v, out, lse, grad_out))
 
 
@@ -222,61 +191,62 @@ class _ForwardPlan:
 
     def __call__(self, q, k, v):
         out, lse = _forward_buffers(q)
-        _install_descriptor_allocator(q.device)
+        install_descriptor_allocator(q.device)
         self.launch(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr()))
         return out, lse
 
 
-def _has_tma(device: torch.device) -> bool:
-    """Hopper or later: the copy engine behind tensor descriptors."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+@dataclass(frozen=True)
+class BackwardChoice:
+    """The kernels of one backward, named as `cs336-bench attention-tune` names them: one pass
+    (`fused-gluon-ws`, `fused-gluon`, `fused` or `fused-tma`) or a dK/dV pass and a dQ pass (`dkdv`,
+    `dkdv-gluon` or `dkdv-tma`; `dq`, `dq-gluon` or `dq-tma`). Every backward starts with the D preprocess."""
+
+    kernels: tuple[str, ...]
+
+    @property
+    def accumulator(self) -> str | None:
+        """Where one pass adds dQ (`dq_accum_shape`): "gluon" (the Gluon kernels), "tl" (backward.py's), or None
+        (two passes write dQ)."""
+        if len(self.kernels) == 2:
+            return None
+        return "gluon" if self.kernels[0].startswith("fused-gluon") else "tl"
 
 
-def _dq_reduce_mode(device: torch.device) -> int:
-    """2: TMA descriptor reduce-add (Hopper and later); 1: pointer atomics (older GPUs, the interpreter)."""
-    if _has_tma(device):
-        _install_descriptor_allocator(device)
-        return 2
-    return 1
+def choose_backward(q, k, v, grad_out, options: BackwardOptions) -> BackwardChoice:
+    """The one place the backward's kernels are chosen: from the options, the device, dtype, head dim and the
+    strides of the inputs and of the gradients `_backward_buffers` / `_dq_buffer` will make for them."""
+    q4, k4, v4, do4 = (_as_4d(t) for t in (q, k, v, grad_out))
+    head_dim = q4.shape[-1]
+    dk4, dv4, dq4 = (_as_4d(torch.empty_like(t, device="meta")) for t in (k, v, q))  # their strides, no memory
+    gluon_one_pass_ok = (options.gluon is not False and not options.use_tma and hopper_backward.one_pass_eligible(q4)
+                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
+    fused = options.fused
+    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
+        fused = (options.gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok)
+    tma = "-tma" if options.use_tma and tma_eligible(q4, k4, v4, do4) else ""
+    if fused and gluon_one_pass_ok:
+        warp_specialised = options.warp_specialised is not False and head_dim in hopper_one_pass.HEAD_DIMS
+        return BackwardChoice(("fused-gluon-ws",) if warp_specialised else ("fused-gluon",))
+    if fused:
+        return BackwardChoice(("fused" + tma,))
+    dkdv, dq = "dkdv" + tma, "dq" + tma
+    gluon_ok = hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4, dq4, dk4, dv4)
+    if options.gluon is not False and not options.use_tma and gluon_ok:
+        # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
+        if options.gluon or "dkdv" in hopper_backward.GLUON_PASSES:
+            dkdv = "dkdv-gluon"
+        if options.gluon or "dq" in hopper_backward.GLUON_PASSES:
+            dq = "dq-gluon"
+    return BackwardChoice((dkdv, dq))
 
 
-def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _interpreter_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8)
-
-
-def _install_descriptor_allocator(device: torch.device | str = "cuda"):
-    """Descriptors made inside a kernel need global scratch (128 bytes per program); torch provides it.
-    Triton keeps the allocator in a ContextVar, so it is set in every thread that launches (autograd runs
-    backward in its own thread); an allocator the caller set is left alone."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch if torch.device(device).type == "cuda" else _interpreter_scratch)
-
-
-def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None, use_tma: bool = False,
-                      gluon: bool | None = None, warp_specialised: bool | None = None):
-    """(preprocess, dK/dV pass, dQ pass or None, finish) in launch order; finish() returns (dq, dk, dv).
-
-    fused: True, one pass that also reduces dQ into an fp32 buffer (see backward.py; on Hopper the Gluon versions
-    in hopper_one_pass.py and hopper_backward.py); there is no dQ pass and finish() casts that buffer. None
-    (default): one pass at `hopper_backward.ONE_PASS_HEAD_DIMS` where the Gluon one-pass kernel qualifies and
-    gluon is None (measured faster there), else two passes. False: two passes. use_tma: the inner loops' Q/dO
-    (dK/dV pass) and K/V (dQ pass) tiles come through tensor descriptors where the inputs qualify (an experiment for
-    `attention-tune`, kernels dkdv-tma and dq-tma). gluon: the passes in Gluon with asynchronous
-    products (hopper_backward.py) where the inputs qualify (Hopper, fp16/bf16, head dim 64 or 128,
-    `hopper_backward.eligible`): True both, None (default) those in `hopper_backward.GLUON_PASSES`
-    (measured faster than their `tl` twins), False neither. warp_specialised (with fused, where the Gluon
-    one-pass kernel qualifies): True takes the warp-specialised one-pass kernel (`hopper_one_pass.py`) at its
-    head dims, False the lockstep one, None (default) the warp-specialised one at its head dims.
-    """
-    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon,
-                                                  warp_specialised)
-    return (*launches, lambda: _backward_result(q, buffers, accum))
+def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, **options):
+    """(preprocess, dK/dV pass or the one pass, dQ pass or None, finish) in launch order, as `choose_backward`
+    chooses them for `BackwardOptions(**options)`; finish() returns (dq, dk, dv)."""
+    choice = choose_backward(q, k, v, grad_out, BackwardOptions(**options))
+    launches, buffers = _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice)
+    return (*launches, lambda: _backward_result(q, buffers, choice.accumulator))
 
 
 def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
@@ -315,21 +285,15 @@ def _backward_result(q, buffers: dict[str, torch.Tensor], accum: str | None):
     return dq, buffers["dk"], buffers["dv"]
 
 
-def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, gluon, warp_specialised):
-    """((preprocess, dK/dV pass, dQ pass or None), buffers, accumulator kind): `backward_launches`' choice, its
-    buffers named for launch plans, and where dQ goes (`_dq_buffer`)."""
+def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardChoice):
+    """((preprocess, dK/dV pass or the one pass, dQ pass or None), buffers named for launch plans): the launches
+    of `choice` and the buffers they write."""
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
-    buffers = _backward_buffers(k, v, lse)
+    buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, choice.accumulator)
     delta, dk4, dv4 = buffers["delta"], _as_4d(buffers["dk"]), _as_4d(buffers["dv"])
-    gluon_one_pass_ok = (gluon is not False and not use_tma and hopper_backward.one_pass_eligible(q4)
-                         and tma_eligible(q4, k4, v4, do4, dk4, dv4))
-    if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
-        fused = gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok
-    accum = ("gluon" if gluon_one_pass_ok else "tl") if fused else None
-    buffers.update(_dq_buffer(q, accum))
     dq_accum = buffers.get("dq_accum")
     preprocess_rows = 64
     accum_args = (dq_accum, dq_accum.stride(0)) if dq_accum is not None else (None, 0)
@@ -338,69 +302,65 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, use_tma, g
         (o4, do4, delta, accum_args[0], *o4.stride(), *do4.stride(), accum_args[1], heads, n_queries, head_dim),
         dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
         (triton.cdiv(n_queries, preprocess_rows), batch * heads))
-
     sm_scale = 1.0 / math.sqrt(head_dim)
+    if (any("gluon" in name or "tma" in name for name in choice.kernels)
+            or choice.kernels == ("fused",) and has_tma(q.device)):  # (it reduces dQ by descriptor there)
+        install_descriptor_allocator(q.device)
+    if choice.accumulator == "gluon":  # adds dQ already scaled, into whole tiles of rows
+        one_pass = hopper_one_pass.one_pass if choice.kernels == ("fused-gluon-ws",) else hopper_backward.fused_pass
+        dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
+        return (preprocess, dkdv, None), buffers
+
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
-    if use_tma and tma_eligible(q4, k4, v4, do4):
-        _install_descriptor_allocator(q.device)
+    if choice.kernels[0].endswith("-tma"):
         flags["USE_TMA"] = True
 
     def key_grid(meta):
         return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
-    if accum == "gluon":  # adds dQ already scaled, into whole tiles of rows
-        _install_descriptor_allocator(q.device)
-        one_pass = (hopper_one_pass.one_pass if warp_specialised is not False
-                    and head_dim in hopper_one_pass.HEAD_DIMS else hopper_backward.fused_pass)
-        dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
-        return (preprocess, dkdv, None), buffers, accum
-    if accum == "tl":
+    if choice.accumulator == "tl":
+        # dQ reduced by TMA descriptor reduce-add on Hopper and later, by pointer atomics elsewhere.
         dkdv = KernelLaunch(flash_bwd_fused_kernel,
                             (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
-                            flags | dict(DQ_REDUCE=_dq_reduce_mode(q.device)), key_grid)
-        return (preprocess, dkdv, None), buffers, accum
+                            flags | dict(DQ_REDUCE=2 if has_tma(q.device) else 1), key_grid)
+        return (preprocess, dkdv, None), buffers
     dq4 = _as_4d(buffers["dq"])
-    dkdv = KernelLaunch(flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
-                        flags | dict(DQ_REDUCE=0), key_grid)
-    dq_pass = KernelLaunch(flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
-                           lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
-    gluon_ok = hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4, dq4, dk4, dv4)
-    if gluon is not False and not use_tma and gluon_ok:
-        _install_descriptor_allocator(q.device)
+    if "gluon" in choice.kernels[0] or "gluon" in choice.kernels[1]:
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
                                                                is_causal, sm_scale)
-        # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
-        if gluon or "dkdv" in hopper_backward.GLUON_PASSES:
-            dkdv = gluon_dkdv
-        if gluon or "dq" in hopper_backward.GLUON_PASSES:
-            dq_pass = gluon_dq
-    return (preprocess, dkdv, dq_pass), buffers, accum
+    dkdv = gluon_dkdv if choice.kernels[0] == "dkdv-gluon" else KernelLaunch(
+        flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+        flags | dict(DQ_REDUCE=0), key_grid)
+    dq_pass = gluon_dq if choice.kernels[1] == "dq-gluon" else KernelLaunch(
+        flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
+        lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+    return (preprocess, dkdv, dq_pass), buffers
 
 
-def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, fused: bool | None = None,
-                   gluon: bool | None = None):
-    """Triton backward (`backward_launches`' choice of one or two passes). Returns (dq, dk, dv) like the inputs.
-    Repeat calls of one input signature replay a launch plan (`launch_plan`)."""
+def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: BackwardOptions = BackwardOptions()):
+    """Triton backward (`choose_backward`'s kernels). Returns (dq, dk, dv) like the inputs. Repeat calls of one
+    input signature replay a launch plan (`launch_plan`)."""
     planned = launch_plan.plans_enabled() and q.device.type == "cuda"
     if planned:
-        key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, fused, gluon)
+        key = backward_plan_key(q, k, v, out, lse, grad_out, is_causal, options)
         plan = launch_plan.lookup(key)
         if plan is not None:
             return plan(q, k, v, out, lse, grad_out)
-    launches, buffers, accum = _backward_launches(q, k, v, out, lse, grad_out, is_causal, fused, False, gluon, None)
+    choice = choose_backward(q, k, v, grad_out, options)
+    launches, buffers = _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice)
     launches = [launch for launch in launches if launch is not None]
     if not planned:
         for launch in launches:
             launch()
-        return _backward_result(q, buffers, accum)
+        return _backward_result(q, buffers, choice.accumulator)
     tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
     captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
     if all(c is not None for c in captured):
-        launch_plan.store(key, _BackwardPlan(tuple(captured), accum))
-    return _backward_result(q, buffers, accum)
+        launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator))
+    return _backward_result(q, buffers, choice.accumulator)
 
 
 @dataclass
@@ -416,7 +376,7 @@ class _BackwardPlan:
         addresses = {name: t.data_ptr() for name, t in buffers.items()}
         addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
                          grad_out=grad_out.data_ptr())
-        _install_descriptor_allocator(q.device)
+        install_descriptor_allocator(q.device)
         for launch in self.launches:
             launch(addresses)
         return _backward_result(q, buffers, self.accum)

@@ -43,7 +43,7 @@ def _attention_forward(q, k, v, is_causal: bool):
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2: Triton forward and backward (`dispatch.backward_launches`' default: two passes, or one pass at
+    """FlashAttention-2: Triton forward and backward (`dispatch.choose_backward`'s default: two passes, or one pass at
     `hopper_backward.ONE_PASS_HEAD_DIMS`).
 
     `apply(q, k, v, is_causal=False, backward="triton")`, backward one of `BACKWARD_IMPLS` (see
@@ -69,7 +69,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         else:
             with fp32_dot_precision(ctx.precision):  # (16-bit inputs: "tf32", which their dots ignore)
                 dq, dk, dv = dispatch.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
-                                                     **dispatch.BACKWARD_OPTIONS[ctx.backward_impl])
+                                                     dispatch.BACKWARD_OPTIONS[ctx.backward_impl])
         return dq, dk, dv, None, None
 
 

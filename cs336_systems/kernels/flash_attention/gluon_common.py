@@ -1,14 +1,12 @@
 """What the Gluon (Hopper) attention kernels share: TMA tile descriptors, the program-to-tile map, P^T from S^T,
-the TMA reduce-add that Gluon does not expose, and `GluonPass`, the launch record of every Gluon kernel.
+the TMA reduce-add that Gluon does not expose, and the host-side argument lists.
 
 The kernels themselves are in hopper_forward.py (the forward), hopper_backward.py (the two backward passes) and
-hopper_one_pass.py (the warp-specialised one-pass backward); each imports from here and from no other.
+hopper_one_pass.py (the warp-specialised one-pass backward); each imports from here (and its launch record,
+`GluonPass`, from launches.py) and from no other.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -19,7 +17,6 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from cs336_systems.kernels.flash_attention.forward import LOG2E as _LOG2E_FLOAT
-from cs336_systems.kernels.flash_attention.launch_plan import bound_values
 
 LOG2E: gl.constexpr = gl.constexpr(_LOG2E_FLOAT)  # read inside the kernels, so a constexpr
 
@@ -81,36 +78,6 @@ def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_C
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         pT = gl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
     return pT
-
-
-@dataclass
-class GluonPass:
-    """One Gluon kernel's arguments and default config (BLOCK_M, BLOCK_N, warps, stages), launched like
-    backward.py's `KernelLaunch` (`cs336-bench attention-tune` times `with_config` variants): the backward
-    passes here and hopper_forward.py's forward."""
-
-    kernel: object
-    args: tuple
-    flags: dict
-    config: tuple[int, int, int, int]
-    grid: Callable[[int, int], tuple[int, int]]  # (BLOCK_M, BLOCK_N) -> grid
-
-    def __call__(self):
-        self.with_config(*self.config)()
-
-    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
-        def launch():
-            self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                     STAGES=num_stages, num_warps=num_warps)
-        return launch
-
-    def launch_for_plan(self):
-        """Launch with the default config; (compiled kernel, grid, every parameter's value) for `launch_plan`."""
-        block_m, block_n, num_warps, num_stages = self.config
-        params = dict(self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages)
-        grid = self.grid(block_m, block_n)
-        compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
-        return compiled, grid, bound_values(self.kernel, self.args, params)
 
 
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -46,7 +46,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
-    GluonPass,
     input_args,
     one_pass_rows,
     operand_layout,
@@ -58,6 +57,7 @@ from cs336_systems.kernels.flash_attention.gluon_common import (
     tma_reduce_add,
     wgmma_layout,
 )
+from cs336_systems.kernels.flash_attention.launches import GluonPass
 
 HEAD_DIMS = (64, 128)
 

@@ -37,13 +37,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
-    GluonPass,
     operand_layout,
     query_tile_of_program,
     row_strides,
     row_tiles,
     wgmma_layout,
 )
+from cs336_systems.kernels.flash_attention.launches import GluonPass
 
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * LOG2E.value)  # forward.py's -1e6, log2 units
 

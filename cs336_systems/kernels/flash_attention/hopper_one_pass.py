@@ -39,7 +39,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
-    GluonPass,
     input_args,
     one_pass_rows,
     operand_layout,
@@ -50,6 +49,7 @@ from cs336_systems.kernels.flash_attention.gluon_common import (
     tma_reduce_add,
     wgmma_layout,
 )
+from cs336_systems.kernels.flash_attention.launches import GluonPass
 
 HEAD_DIMS = (128,)
 KEYS_PER_CONSUMER = gl.constexpr(64)

@@ -157,10 +157,10 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         # In O's layout, as the C++ backward hands its plan one. Zeros, not random: making a plan must leave the
         # caller's random stream alone (a test's next torch.randn would otherwise differ with the launcher).
         grad_out = torch.zeros_like(out)
-        dispatch.flash_backward(q, k, v, out, lse, grad_out, is_causal, **options)
+        dispatch.flash_backward(q, k, v, out, lse, grad_out, is_causal, options)
         forward = launch_plan.lookup(dispatch.forward_plan_key(q, k, v, is_causal))
         backward_plan = launch_plan.lookup(dispatch.backward_plan_key(q, k, v, out, lse, grad_out, is_causal,
-                                                                      **options))
+                                                                      options))
     if forward is None or backward_plan is None:
         return False
     specs = [kernel_spec(forward.launch)], [kernel_spec(c) for c in backward_plan.launches]

@@ -23,7 +23,8 @@ WARM_SEQ = 128  # a multiple of 16 (so of every tile): the specialisation of any
 
 def _launches(head_dim: int, dtype: torch.dtype, causal: bool, device: str = "cuda") -> dict:
     """The forward and the backward kernels' launches (as the autograd Functions make them) on small inputs."""
-    from cs336_systems.kernels.flash_attention.dispatch import KernelLaunch, backward_launches, forward_launch
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
+    from cs336_systems.kernels.flash_attention.launches import KernelLaunch
 
     q, k, v, grad_out = (torch.randn(1, 1, WARM_SEQ, head_dim, device=device, dtype=dtype) for _ in range(4))
     forward, out, lse = forward_launch(q, k, v, causal)

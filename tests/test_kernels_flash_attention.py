@@ -511,6 +511,43 @@ def _head_views(count, batch, seq, heads, d, seed):
             .transpose(1, 2) for _ in range(count)]
 
 
+def test_backward_choice_names_the_kernels_on_cpu():
+    """`choose_backward` resolves every `backward=` once; on the interpreter (no Gluon) into the `tl` kernels."""
+    from cs336_systems.kernels.flash_attention.dispatch import BACKWARD_OPTIONS, BackwardOptions, choose_backward
+
+    q, k, v, do = (torch.randn(1, 2, 64, 64) for _ in range(4))
+    chosen = {name: choose_backward(q, k, v, do, options).kernels for name, options in BACKWARD_OPTIONS.items()}
+    assert chosen == {"triton": ("dkdv", "dq"), "two-pass": ("dkdv", "dq"), "tl": ("dkdv", "dq"), "fused": ("fused",)}
+    assert choose_backward(q, k, v, do, BackwardOptions(fused=True)).accumulator == "tl"
+    assert choose_backward(q, k, v, do, BackwardOptions()).accumulator is None
+    assert choose_backward(q, k, v, do, BackwardOptions(use_tma=True)).kernels == ("dkdv-tma", "dq-tma")
+    shifted = [t[..., 1:33] for t in (q, k, v, do)]  # bases 4 bytes past 16-byte alignment: no descriptors
+    assert choose_backward(*shifted, BackwardOptions(use_tma=True)).kernels == ("dkdv", "dq")
+
+
+@requires_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_choice_on_hopper(d):
+    """The defaults the constants of hopper_backward.py / hopper_one_pass.py name, and what each option forces."""
+    from cs336_systems.kernels.flash_attention.dispatch import BACKWARD_OPTIONS, BackwardOptions, choose_backward
+    from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS
+
+    q, k, v, do = _head_views(4, 1, 256, 2, d, seed=0)
+
+    def kernels(options):
+        return choose_backward(q, k, v, do, options).kernels
+
+    two_gluon_passes = ("dkdv-gluon", "dq-gluon")
+    assert kernels(BACKWARD_OPTIONS["triton"]) == (("fused-gluon-ws",) if d in ONE_PASS_HEAD_DIMS else two_gluon_passes)
+    assert kernels(BACKWARD_OPTIONS["two-pass"]) == two_gluon_passes
+    assert kernels(BACKWARD_OPTIONS["tl"]) == ("dkdv", "dq")
+    assert kernels(BackwardOptions(fused=True, warp_specialised=False)) == ("fused-gluon",)
+    assert kernels(BackwardOptions(fused=True, gluon=False)) == ("fused",)
+    assert kernels(BackwardOptions(use_tma=True)) == ("dkdv-tma", "dq-tma")
+    one_row = [t[:, :, :1] for t in (q, k, v, do)]  # `one_pass_eligible`: more than one query row
+    assert choose_backward(*one_row, BackwardOptions(fused=True)).kernels == ("fused",)
+
+
 def _two_pass_grads(q, k, v, out, lse, do, causal, **options):
     """(dq, dk, dv) from the two backward passes `backward_launches(**options)` builds."""
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches

@@ -43,7 +43,7 @@ def probabilities_and_ds(q, k, v, out, lse, grad_out, log2_domain: bool):
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = q @ k.transpose(-1, -2)
     if log2_domain:  # as our kernels: scores in log2 units, L converted from natural log
-        p = torch.exp2(scores * (scale * LOG2E) - (lse * LOG2E)[..., None])
+        p = torch.exp2(scores * (scale * LOG2E.value) - (lse * LOG2E.value)[..., None])
     else:
         p = torch.exp(scores * scale - lse[..., None])
     p = p.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0)

@@ -40,7 +40,14 @@ from cs336_systems.kernels._triton_utils import (
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
-from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles, query_tile_of_program
+from cs336_systems.kernels.flash_attention.tiles import (
+    head_base,
+    key_tile_ends,
+    load_tile,
+    operand_tiles,
+    query_tile_of_program,
+    row_block,
+)
 
 
 @triton.jit
@@ -53,12 +60,10 @@ def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     m0 = tl.program_id(0) * BLOCK_M
-    o_block = tl.make_block_ptr(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh,
-                                shape=(n_queries, head_dim), strides=(stride_on, stride_od), offsets=(m0, 0),
-                                block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
-                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(m0, 0),
-                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    o_block = row_block(head_base(O, b, h, stride_ob, stride_oh), n_queries, head_dim, stride_on, stride_od, m0,
+                        BLOCK_M, BLOCK_D)
+    do_block = row_block(head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don, stride_dod, m0,
+                         BLOCK_M, BLOCK_D)
     o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -108,7 +113,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
         sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-        pT = tl.math.exp2(sT - lse[None, :] * 1.4426950408889634)
+        pT = tl.math.exp2(sT - lse[None, :] * LOG2E)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -148,7 +153,7 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
         kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(s - lse[:, None] * 1.4426950408889634)
+        p = tl.math.exp2(s - lse[:, None] * LOG2E)
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             keep = offs_n[None, :] < n_keys
@@ -253,14 +258,12 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dq_target = DQ_ACCUM + batch_head.to(tl.int64) * n_queries * BLOCK_D
     else:
         dq_target = DQ_ACCUM  # unused (None)
-    k_block = tl.make_block_ptr(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                                shape=(n_keys, head_dim), strides=(stride_kn, stride_kd), offsets=(n0, 0),
-                                block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-    v_block = tl.make_block_ptr(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                shape=(n_keys, head_dim), strides=(stride_vn, stride_vd), offsets=(n0, 0),
-                                block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    do_base = dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    k_block = row_block(head_base(K, b, h, stride_kb, stride_kh), n_keys, head_dim, stride_kn, stride_kd, n0, BLOCK_N,
+                        BLOCK_D)
+    v_block = row_block(head_base(V, b, h, stride_vb, stride_vh), n_keys, head_dim, stride_vn, stride_vd, n0, BLOCK_N,
+                        BLOCK_D)
+    q_base = head_base(Q, b, h, stride_qb, stride_qh)
+    do_base = head_base(dO, b, h, stride_dob, stride_doh)
     qT_block = operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, True, USE_TMA)
     do_block = operand_tiles(do_base, n_queries, head_dim, stride_don, stride_dod, BLOCK_M, BLOCK_D, False,
                              USE_TMA)
@@ -292,12 +295,10 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
-    dk_block = tl.make_block_ptr(dK + b.to(tl.int64) * stride_dkb + h.to(tl.int64) * stride_dkh,
-                                 shape=(n_keys, head_dim), strides=(stride_dkn, stride_dkd), offsets=(n0, 0),
-                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
-    dv_block = tl.make_block_ptr(dV + b.to(tl.int64) * stride_dvb + h.to(tl.int64) * stride_dvh,
-                                 shape=(n_keys, head_dim), strides=(stride_dvn, stride_dvd), offsets=(n0, 0),
-                                 block_shape=(BLOCK_N, BLOCK_D), order=(1, 0))
+    dk_block = row_block(head_base(dK, b, h, stride_dkb, stride_dkh), n_keys, head_dim, stride_dkn, stride_dkd, n0,
+                         BLOCK_N, BLOCK_D)
+    dv_block = row_block(head_base(dV, b, h, stride_dvb, stride_dvh), n_keys, head_dim, stride_dvn, stride_dvd, n0,
+                         BLOCK_N, BLOCK_D)
     tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
 
@@ -327,14 +328,12 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     USE_TMA: tl.constexpr = False):
     query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     m0 = query_tile * BLOCK_M
-    q_block = tl.make_block_ptr(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh,
-                                shape=(n_queries, head_dim), strides=(stride_qn, stride_qd), offsets=(m0, 0),
-                                block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    do_block = tl.make_block_ptr(dO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
-                                 shape=(n_queries, head_dim), strides=(stride_don, stride_dod), offsets=(m0, 0),
-                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
+    q_block = row_block(head_base(Q, b, h, stride_qb, stride_qh), n_queries, head_dim, stride_qn, stride_qd, m0,
+                        BLOCK_M, BLOCK_D)
+    do_block = row_block(head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don, stride_dod, m0,
+                         BLOCK_M, BLOCK_D)
+    k_base = head_base(K, b, h, stride_kb, stride_kh)
+    v_base = head_base(V, b, h, stride_vb, stride_vh)
     kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
     vT_block = operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, True, USE_TMA)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -349,9 +348,8 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                        False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
                        True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
-    dq_block = tl.make_block_ptr(dQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh,
-                                 shape=(n_queries, head_dim), strides=(stride_dqn, stride_dqd), offsets=(m0, 0),
-                                 block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+    dq_block = row_block(head_base(dQ, b, h, stride_dqb, stride_dqh), n_queries, head_dim, stride_dqn, stride_dqd, m0,
+                         BLOCK_M, BLOCK_D)
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
 
 

@@ -135,7 +135,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                                              warp_specialised)
         return launch, out, lse
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
-    qk_scale = LOG2E / math.sqrt(head_dim)
+    qk_scale = LOG2E.value / math.sqrt(head_dim)
     args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
             heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
@@ -313,7 +313,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
 
     common = (q4, k4, v4, do4, lse, delta)
     strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
-    sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E, sm_scale, nq_bucket, nk_bucket)
+    sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E.value, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if choice.kernels[0].endswith("-tma"):
         flags["USE_TMA"] = True

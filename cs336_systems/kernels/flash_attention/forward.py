@@ -26,10 +26,17 @@ from cs336_systems.kernels._triton_utils import (
     configs_from_families,
     tile_family,
 )
-from cs336_systems.kernels.flash_attention.tiles import key_tile_ends, load_tile, operand_tiles, query_tile_of_program
+from cs336_systems.kernels.flash_attention.tiles import (
+    head_base,
+    key_tile_ends,
+    load_tile,
+    operand_tiles,
+    query_tile_of_program,
+    row_block,
+)
 
-LOG2E = 1.4426950408889634
-MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); kernels read it, so a constexpr (host code: .value)
+MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E.value)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
 
 
 @triton.jit
@@ -111,10 +118,10 @@ def flash_forward_kernel(Q, K, V, O, L,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          USE_TMA: tl.constexpr = False):
     query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    q_base = head_base(Q, b, h, stride_qb, stride_qh)
+    k_base = head_base(K, b, h, stride_kb, stride_kh)
+    v_base = head_base(V, b, h, stride_vb, stride_vh)
+    o_base = head_base(O, b, h, stride_ob, stride_oh)
     m0 = query_tile * BLOCK_M
 
     kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
@@ -140,8 +147,7 @@ def flash_forward_kernel(Q, K, V, O, L,
         tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[stride_on, 1],
                                   block_shape=[BLOCK_M, BLOCK_D]).store([m0, 0], out.to(O.dtype.element_ty))
     else:
-        o_block = tl.make_block_ptr(o_base, shape=(n_queries, head_dim), strides=(stride_on, stride_od),
-                                    offsets=(m0, 0), block_shape=(BLOCK_M, BLOCK_D), order=(1, 0))
+        o_block = row_block(o_base, n_queries, head_dim, stride_on, stride_od, m0, BLOCK_M, BLOCK_D)
         tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
-    lse = (m_i + tl.math.log2(l_i)) / 1.4426950408889634  # back to natural log
+    lse = (m_i + tl.math.log2(l_i)) / LOG2E  # back to natural log
     tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

@@ -16,9 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
-from cs336_systems.kernels.flash_attention.forward import LOG2E as _LOG2E_FLOAT
-
-LOG2E: gl.constexpr = gl.constexpr(_LOG2E_FLOAT)  # read inside the kernels, so a constexpr
+from cs336_systems.kernels.flash_attention.forward import LOG2E
 
 
 @triton.constexpr_function

@@ -14,7 +14,7 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 
@@ -55,6 +55,77 @@ def row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.c
 
 
 @gluon.jit
+def backward_input_tiles(Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The backward's input descriptors of batch b, head h: (Q, dO) in BLOCK_M-row tiles, (K, V) in BLOCK_N."""
+    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
+    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    return q_desc, do_desc, k_desc, v_desc
+
+
+@gluon.jit
+def key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """Shared memory of a program that owns one key tile: K and V once, and rings of STAGES slots for the query
+    side's Q, dO (TMA) and L, D (cp.async) tiles. (k, v, q ring, dO ring, L ring, D ring)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    return k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem
+
+
+@gluon.jit
+def key_tile_of_program(n_heads, BLOCK_N: gl.constexpr):
+    """(first key row, batch x head, batch, head) of this program in a (key tiles, batch x heads) grid."""
+    batch_head = gl.program_id(1)
+    b = (batch_head // n_heads).to(gl.int64)
+    h = (batch_head % n_heads).to(gl.int64)
+    return gl.program_id(0) * BLOCK_N, batch_head, b, h
+
+
+@gluon.jit
+def ring_step(bars, tile, first_tile, STAGES: gl.constexpr):
+    """(step, slot) of `tile` in a ring of STAGES buffers filled from `first_tile` on, once the slot has landed."""
+    step = tile - first_tile
+    slot = step % STAGES
+    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+    return step, slot
+
+
+@gluon.jit
+def score_products(a, b_tile, c, d_tile, zeros):
+    """Issue S = a b_tile^T and dP = c d_tile^T (or their transposes, with the roles swapped); both stay in
+    flight, so the caller's exponentials can overlap the second."""
+    s = warpgroup_mma(a, b_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    dp = warpgroup_mma(c, d_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+    return s, dp
+
+
+@gluon.jit
+def store_key_gradients(dk, dv, sm_scale, k_buffer, v_buffer, dk_desc, dv_desc, row0):
+    """dK (scaled here) and dV out through K's and V's shared buffers, which the caller has finished reading
+    (TMA clips rows past the end)."""
+    dtype: gl.constexpr = k_buffer.dtype
+    k_buffer.store((dk * sm_scale).to(dtype))
+    v_buffer.store(dv.to(dtype))
+    gl.thread_barrier()
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [row0, 0], k_buffer)
+    tma.async_copy_shared_to_global(dv_desc, [row0, 0], v_buffer)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def query_tile_of_program(n_queries, n_heads, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """(first query row, batch x head, batch, head) of this program in a (query tiles, batch x heads) grid.
     Causal: the longest rows first, so the grid's tail is short."""
@@ -87,6 +158,17 @@ def input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
     strides = (*row_strides(q4), *row_strides(k4), *row_strides(v4), *row_strides(do4))
     sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * LOG2E.value, sm_scale)
     return strides, sizes
+
+
+def check_dq_accum(dq_accum: torch.Tensor, q4: torch.Tensor) -> int:
+    """The one-pass kernels' accumulator contract: contiguous fp32 (batch x heads, `one_pass_rows`, d). Returns
+    its rows per (batch, head)."""
+    batch, heads, n_queries, head_dim = q4.shape
+    expected = (batch * heads, one_pass_rows(n_queries), head_dim)
+    if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
+        raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
+                         f"fp32 buffer of shape {expected}")
+    return expected[1]
 
 
 def one_pass_rows(n_queries: int) -> int:

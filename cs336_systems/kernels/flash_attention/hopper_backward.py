@@ -46,13 +46,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from cs336_systems.kernels._triton_utils import interpreting
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
+    backward_input_tiles,
+    check_dq_accum,
     input_args,
-    one_pass_rows,
+    key_tile_buffers,
+    key_tile_of_program,
     operand_layout,
     probabilities_t,
     query_tile_of_program,
+    ring_step,
     row_strides,
     row_tiles,
+    score_products,
+    store_key_gradients,
     tile_layout,
     tma_reduce_add,
     wgmma_layout,
@@ -149,14 +155,10 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     for tile in range(start_tile, end_tile):
-        step = tile - first_tile
-        slot = step % STAGES
-        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        step, slot = ring_step(bars, tile, first_tile, STAGES)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
-        zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        sT, dpT = score_products(k_smem, q_tile, v_smem, do_tile, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout))
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         if DQ_SPLIT > 0 and DQ_TMA:
@@ -254,23 +256,12 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = operand_layout(acc_layout)
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    n0 = gl.program_id(0) * BLOCK_N
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    n0, batch_head, b, h = key_tile_of_program(n_heads, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
-
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
     if DQ_SPLIT > 0:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
         dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
@@ -347,13 +338,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     gl.thread_barrier()
     dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
     dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
-    k_smem.store((dk * sm_scale).to(dtype))
-    v_smem.store(dv.to(dtype))
-    gl.thread_barrier()
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [n0, 0], k_smem)
-    tma.async_copy_shared_to_global(dv_desc, [n0, 0], v_smem)
-    tma.store_wait(pendings=0)
+    store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
 
 
 @gluon.jit
@@ -365,14 +350,10 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
     or in registers (`flash_dq_gluon_kernel`'s QDO_REGS)."""
     dtype: gl.constexpr = k_desc.dtype
     for tile in range(start_tile, end_tile):
-        step = tile - first_tile
-        slot = step % STAGES
-        mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+        step, slot = ring_step(bars, tile, first_tile, STAGES)
         k_tile = k_smem.index(slot)
         v_tile = v_smem.index(slot)
-        zeros = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_op, k_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_op, v_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s, dp = score_products(q_op, k_tile, do_op, v_tile, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
         _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
@@ -407,10 +388,9 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     op_layout: gl.constexpr = operand_layout(acc_layout)
     m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -504,14 +484,11 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     added into dq_accum, zeroed fp32 (batch x heads, `one_pass_rows(n_queries)`, d); D must be written first."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    expected = (batch * heads, one_pass_rows(n_queries), head_dim)
-    if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
-        raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
-                         f"fp32 buffer of shape {expected}")
+    dq_rows = check_dq_accum(dq_accum, q4)
     strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
-                      *row_strides(dv4), *sizes, expected[1]),
+                      *row_strides(dv4), *sizes, dq_rows),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

@@ -24,7 +24,6 @@ query row (`hopper_backward.one_pass_eligible`), any lengths. It is `backward="f
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -39,12 +38,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.kernels.flash_attention.gluon_common import (
     LOG2E,
+    backward_input_tiles,
+    check_dq_accum,
     input_args,
-    one_pass_rows,
+    key_tile_buffers,
+    key_tile_of_program,
     operand_layout,
     probabilities_t,
+    ring_step,
     row_strides,
     row_tiles,
+    score_products,
+    store_key_gradients,
     tile_layout,
     tma_reduce_add,
     wgmma_layout,
@@ -94,14 +99,11 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
     COLUMNS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_smem.dtype
     for tile in range(start_tile, end_tile):
-        step = tile - first_tile
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        step, slot = ring_step(ready, tile, first_tile, STAGES)
         q_tile = q_smem.index(slot)
         do_tile = do_smem.index(slot)
-        zeros = gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, s_layout)
-        sT = warpgroup_mma(k_half, q_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dpT = warpgroup_mma(v_half, do_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        sT, dpT = score_products(k_half, q_tile, v_half, do_tile,
+                                 gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, s_layout))
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
         pT = probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
@@ -141,7 +143,6 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     """One consumer warpgroup: dK and dV of keys n0 + 64 * half onwards, and its share of dQ."""
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = wgmma_layout(4, BLOCK_M)
     acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
     share_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM // 2)
@@ -179,13 +180,7 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     # read all of K, so both must be done first.
     mbarrier.arrive(kv_done)
     mbarrier.wait(kv_done, 0)
-    k_half.store((dk * sm_scale).to(dtype))
-    v_half.store(dv.to(dtype))
-    gl.thread_barrier()
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [keys0, 0], k_half)
-    tma.async_copy_shared_to_global(dv_desc, [keys0, 0], v_half)
-    tma.store_wait(pendings=0)
+    store_key_gradients(dk, dv, sm_scale, k_half, v_half, dk_desc, dv_desc, keys0)
 
 
 @gluon.jit
@@ -205,14 +200,10 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     gl.static_assert(BLOCK_N == 2 * KEYS_PER_CONSUMER, "two consumer warpgroups of 64 keys")
     gl.static_assert(HEAD_DIM == 128, "dQ's columns split at the 128-byte swizzle")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    batch_head = gl.program_id(1)
-    b = (batch_head // n_heads).to(gl.int64)
-    h = (batch_head % n_heads).to(gl.int64)
-    n0 = gl.program_id(0) * BLOCK_N
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    n0, batch_head, b, h = key_tile_of_program(n_heads, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
+        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER, HEAD_DIM)
     dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER, HEAD_DIM)
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
@@ -220,14 +211,7 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                          block_shape=[BLOCK_M, HEAD_DIM // 2], layout=dq_layout)
     dtype: gl.constexpr = q_desc.dtype
-
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-    stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
     dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HEAD_DIM // 2], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -266,13 +250,10 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim: got {head_dim}; the warp-specialised one-pass backward takes {HEAD_DIMS}")
     n_keys = k4.shape[2]
-    expected = (batch * heads, one_pass_rows(n_queries), head_dim)
-    if tuple(dq_accum.shape) != expected or not dq_accum.is_contiguous() or dq_accum.dtype != torch.float32:
-        raise ValueError(f"dq_accum: got {dq_accum.dtype} of shape {tuple(dq_accum.shape)}; expected a contiguous "
-                         f"fp32 buffer of shape {expected}")
+    dq_rows = check_dq_accum(dq_accum, q4)
     strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
     return GluonPass(flash_bwd_one_pass_ws_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
-                      *row_strides(dv4), *sizes, expected[1]),
+                      *row_strides(dv4), *sizes, dq_rows),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

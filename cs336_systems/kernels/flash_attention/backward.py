@@ -38,16 +38,9 @@ from cs336_systems.kernels._triton_utils import (
     configs_from_families,
     tile_family,
 )
+from cs336_systems.kernels.flash_attention import tiles
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
-from cs336_systems.kernels.flash_attention.tiles import (
-    head_base,
-    key_tile_ends,
-    load_tile,
-    operand_tiles,
-    query_tile_of_program,
-    row_block,
-)
 
 
 @triton.jit
@@ -60,10 +53,10 @@ def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     m0 = tl.program_id(0) * BLOCK_M
-    o_block = row_block(head_base(O, b, h, stride_ob, stride_oh), n_queries, head_dim, stride_on, stride_od, m0,
-                        BLOCK_M, BLOCK_D)
-    do_block = row_block(head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don, stride_dod, m0,
-                         BLOCK_M, BLOCK_D)
+    o_block = tiles.row_block(tiles.head_base(O, b, h, stride_ob, stride_oh), n_queries, head_dim, stride_on,
+                              stride_od, m0, BLOCK_M, BLOCK_D)
+    do_block = tiles.row_block(tiles.head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don,
+                               stride_dod, m0, BLOCK_M, BLOCK_D)
     o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -103,8 +96,8 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
     dv_error = tl.zeros_like(dv)
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
-        qT = load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
-        do = load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
+        qT = tiles.load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
+        do = tiles.load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
         if MASKED:
             # Rows past n_queries get L = +inf, so their P is exactly 0.
             lse = tl.load(lse_row + offs_m, mask=offs_m < n_queries, other=float("inf"))
@@ -150,8 +143,8 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
         vT_block = tl.advance(vT_block, (0, start_n))
     dq_error = tl.zeros_like(dq)  # (fp32-accurate dots only: add_compensated)
     for tile_start in range(start_n, end_n, BLOCK_N):
-        kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
-        vT = load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
+        kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
+        vT = tiles.load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(s - lse[:, None] * LOG2E)
         if MASKED:
@@ -258,14 +251,14 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dq_target = DQ_ACCUM + batch_head.to(tl.int64) * n_queries * BLOCK_D
     else:
         dq_target = DQ_ACCUM  # unused (None)
-    k_block = row_block(head_base(K, b, h, stride_kb, stride_kh), n_keys, head_dim, stride_kn, stride_kd, n0, BLOCK_N,
-                        BLOCK_D)
-    v_block = row_block(head_base(V, b, h, stride_vb, stride_vh), n_keys, head_dim, stride_vn, stride_vd, n0, BLOCK_N,
-                        BLOCK_D)
-    q_base = head_base(Q, b, h, stride_qb, stride_qh)
-    do_base = head_base(dO, b, h, stride_dob, stride_doh)
-    qT_block = operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, True, USE_TMA)
-    do_block = operand_tiles(do_base, n_queries, head_dim, stride_don, stride_dod, BLOCK_M, BLOCK_D, False,
+    k_block = tiles.row_block(tiles.head_base(K, b, h, stride_kb, stride_kh), n_keys, head_dim, stride_kn, stride_kd,
+                              n0, BLOCK_N, BLOCK_D)
+    v_block = tiles.row_block(tiles.head_base(V, b, h, stride_vb, stride_vh), n_keys, head_dim, stride_vn, stride_vd,
+                              n0, BLOCK_N, BLOCK_D)
+    q_base = tiles.head_base(Q, b, h, stride_qb, stride_qh)
+    do_base = tiles.head_base(dO, b, h, stride_dob, stride_doh)
+    qT_block = tiles.operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, True, USE_TMA)
+    do_block = tiles.operand_tiles(do_base, n_queries, head_dim, stride_don, stride_dod, BLOCK_M, BLOCK_D, False,
                              USE_TMA)
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
@@ -295,10 +288,10 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
-    dk_block = row_block(head_base(dK, b, h, stride_dkb, stride_dkh), n_keys, head_dim, stride_dkn, stride_dkd, n0,
-                         BLOCK_N, BLOCK_D)
-    dv_block = row_block(head_base(dV, b, h, stride_dvb, stride_dvh), n_keys, head_dim, stride_dvn, stride_dvd, n0,
-                         BLOCK_N, BLOCK_D)
+    dk_block = tiles.row_block(tiles.head_base(dK, b, h, stride_dkb, stride_dkh), n_keys, head_dim, stride_dkn,
+                               stride_dkd, n0, BLOCK_N, BLOCK_D)
+    dv_block = tiles.row_block(tiles.head_base(dV, b, h, stride_dvb, stride_dvh), n_keys, head_dim, stride_dvn,
+                               stride_dvd, n0, BLOCK_N, BLOCK_D)
     tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
 
@@ -326,16 +319,16 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     USE_TMA: tl.constexpr = False):
-    query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     m0 = query_tile * BLOCK_M
-    q_block = row_block(head_base(Q, b, h, stride_qb, stride_qh), n_queries, head_dim, stride_qn, stride_qd, m0,
-                        BLOCK_M, BLOCK_D)
-    do_block = row_block(head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don, stride_dod, m0,
-                         BLOCK_M, BLOCK_D)
-    k_base = head_base(K, b, h, stride_kb, stride_kh)
-    v_base = head_base(V, b, h, stride_vb, stride_vh)
-    kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
-    vT_block = operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    q_block = tiles.row_block(tiles.head_base(Q, b, h, stride_qb, stride_qh), n_queries, head_dim, stride_qn,
+                              stride_qd, m0, BLOCK_M, BLOCK_D)
+    do_block = tiles.row_block(tiles.head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don,
+                               stride_dod, m0, BLOCK_M, BLOCK_D)
+    k_base = tiles.head_base(K, b, h, stride_kb, stride_kh)
+    v_base = tiles.head_base(V, b, h, stride_vb, stride_vh)
+    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    vT_block = tiles.operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, True, USE_TMA)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")
@@ -343,13 +336,13 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
     delta = tl.load(Delta + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    unmasked_end, masked_end = key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    unmasked_end, masked_end = tiles.key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
                        False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
                        True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
-    dq_block = row_block(head_base(dQ, b, h, stride_dqb, stride_dqh), n_queries, head_dim, stride_dqn, stride_dqd, m0,
-                         BLOCK_M, BLOCK_D)
+    dq_block = tiles.row_block(tiles.head_base(dQ, b, h, stride_dqb, stride_dqh), n_queries, head_dim, stride_dqn,
+                               stride_dqd, m0, BLOCK_M, BLOCK_D)
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
 
 

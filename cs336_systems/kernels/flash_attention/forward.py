@@ -26,14 +26,7 @@ from cs336_systems.kernels._triton_utils import (
     configs_from_families,
     tile_family,
 )
-from cs336_systems.kernels.flash_attention.tiles import (
-    head_base,
-    key_tile_ends,
-    load_tile,
-    operand_tiles,
-    query_tile_of_program,
-    row_block,
-)
+from cs336_systems.kernels.flash_attention import tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); kernels read it, so a constexpr (host code: .value)
 MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E.value)  # the assignment's -1e6, in log2 units (constexpr: read in kernels)
@@ -49,8 +42,8 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
         kT_block = tl.advance(kT_block, (0, start_n))
         v_block = tl.advance(v_block, (start_n, 0))
     for tile_start in range(start_n, end_n, BLOCK_N):
-        kT = load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
-        v = load_tile(v_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_N, BLOCK_D)
+        kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
+        v = tiles.load_tile(v_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_N, BLOCK_D)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -117,26 +110,26 @@ def flash_forward_kernel(Q, K, V, O, L,
                          IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          USE_TMA: tl.constexpr = False):
-    query_tile, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_base = head_base(Q, b, h, stride_qb, stride_qh)
-    k_base = head_base(K, b, h, stride_kb, stride_kh)
-    v_base = head_base(V, b, h, stride_vb, stride_vh)
-    o_base = head_base(O, b, h, stride_ob, stride_oh)
+    query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    q_base = tiles.head_base(Q, b, h, stride_qb, stride_qh)
+    k_base = tiles.head_base(K, b, h, stride_kb, stride_kh)
+    v_base = tiles.head_base(V, b, h, stride_vb, stride_vh)
+    o_base = tiles.head_base(O, b, h, stride_ob, stride_oh)
     m0 = query_tile * BLOCK_M
 
-    kT_block = operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
-    v_block = operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, False, USE_TMA)
-    q_tiles = operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, False, USE_TMA)
+    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    v_block = tiles.operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, False, USE_TMA)
+    q_tiles = tiles.operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, False, USE_TMA)
     if not USE_TMA:
         q_tiles = tl.advance(q_tiles, (m0, 0))
-    q = load_tile(q_tiles, m0, True, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
+    q = tiles.load_tile(q_tiles, m0, True, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
     offs_m = m0 + tl.arange(0, BLOCK_M)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
-    unmasked_end, masked_end = key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    unmasked_end, masked_end = tiles.key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, 0, unmasked_end, n_keys,
                                       qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,
@@ -147,7 +140,7 @@ def flash_forward_kernel(Q, K, V, O, L,
         tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[stride_on, 1],
                                   block_shape=[BLOCK_M, BLOCK_D]).store([m0, 0], out.to(O.dtype.element_ty))
     else:
-        o_block = row_block(o_base, n_queries, head_dim, stride_on, stride_od, m0, BLOCK_M, BLOCK_D)
+        o_block = tiles.row_block(o_base, n_queries, head_dim, stride_on, stride_od, m0, BLOCK_M, BLOCK_D)
         tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
     lse = (m_i + tl.math.log2(l_i)) / LOG2E  # back to natural log
     tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

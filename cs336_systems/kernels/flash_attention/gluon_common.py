@@ -94,12 +94,13 @@ def key_tile_of_program(n_heads, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def ring_step(bars, tile, first_tile, STAGES: gl.constexpr):
-    """(step, slot) of `tile` in a ring of STAGES buffers filled from `first_tile` on, once the slot has landed."""
+def ring_step(bars, a_ring, b_ring, tile, first_tile, STAGES: gl.constexpr):
+    """(step, slot, a tile, b tile) of `tile` in two rings of STAGES buffers filled from `first_tile` on, once the
+    slot's copies have landed."""
     step = tile - first_tile
     slot = step % STAGES
     mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-    return step, slot
+    return step, slot, a_ring.index(slot), b_ring.index(slot)
 
 
 @gluon.jit

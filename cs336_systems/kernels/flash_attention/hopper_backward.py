@@ -44,25 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from cs336_systems.kernels._triton_utils import interpreting
-from cs336_systems.kernels.flash_attention.gluon_common import (
-    LOG2E,
-    backward_input_tiles,
-    check_dq_accum,
-    input_args,
-    key_tile_buffers,
-    key_tile_of_program,
-    operand_layout,
-    probabilities_t,
-    query_tile_of_program,
-    ring_step,
-    row_strides,
-    row_tiles,
-    score_products,
-    store_key_gradients,
-    tile_layout,
-    tma_reduce_add,
-    wgmma_layout,
-)
+from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
 HEAD_DIMS = (64, 128)
@@ -138,7 +120,7 @@ def _row_stats(lse_row, delta_row, tile, n_rows, BLOCK: gl.constexpr, layout: gl
     inside = offs < n_rows
     lse = gl.load(lse_row + offs, mask=inside, other=float("inf"))
     delta = gl.load(delta_row + offs, mask=inside, other=0.0)
-    return lse * LOG2E, delta
+    return lse * gluon_common.LOG2E, delta
 
 
 @gluon.jit
@@ -155,10 +137,9 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
     BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     for tile in range(start_tile, end_tile):
-        step, slot = ring_step(bars, tile, first_tile, STAGES)
-        q_tile = q_smem.index(slot)
-        do_tile = do_smem.index(slot)
-        sT, dpT = score_products(k_smem, q_tile, v_smem, do_tile, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout))
+        step, slot, q_tile, do_tile = gluon_common.ring_step(bars, q_smem, do_smem, tile, first_tile, STAGES)
+        sT, dpT = gluon_common.score_products(k_smem, q_tile, v_smem, do_tile,
+                                              gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout))
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         if DQ_SPLIT > 0 and DQ_TMA:
@@ -167,11 +148,11 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         # The previous step's dV and dK products have retired too: every warp is past them, so their
         # slot can take the tile STAGES - 1 ahead (and every thread's L and D copies are visible).
         gl.thread_barrier()
-        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
+        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * gluon_common.LOG2E
         ahead_slot = (step + STAGES - 1) % STAGES
         _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M)
         _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile + STAGES - 1, ahead_slot, n_queries, BLOCK_M)
-        pT = probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
+        pT = gluon_common.probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
@@ -199,7 +180,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
     """The one-pass step's last products: dK += dS^T Q, and dQ[tile] += sm_scale * dS K over this program's
     keys, reduced into fp32 rows that programs of other key tiles add to as well. dq_target is
     (fp32 rows of this head, their TMA descriptor, staging buffers): DQ_TMA = 1 stages the share in shared
-    memory (buffers first_buffer + part) and has the copy engine add it (`tma_reduce_add`) while the next
+    memory (buffers first_buffer + part) and has the copy engine add it (`gluon_common.tma_reduce_add`) while the next
     steps run; 0 adds it from registers with relaxed atomics.
     dS^T goes through shared memory once and both products read it there (dQ's transposed). dQ's share is
     issued first, in DQ_SPLIT column blocks, so that waiting for it leaves dK in flight."""
@@ -224,7 +205,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
         fence_async_shared()
         gl.thread_barrier()
         for part in gl.static_range(DQ_SPLIT):
-            tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
+            gluon_common.tma_reduce_add(dq_desc, [tile * BLOCK_M, part * COLUMNS], dq_stage.index(first_buffer + part))
     else:
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, share_layout))
         # 32-bit offsets from one head's base: per thread they differ by constants, which fold into addresses.
@@ -253,17 +234,19 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, dq_rows, HEAD_DIM),
     zeroed by the caller, dq_rows >= n_queries in whole tiles (`_dk_and_dq_share`)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
-    op_layout: gl.constexpr = operand_layout(acc_layout)
-    n0, batch_head, b, h = key_tile_of_program(n_heads, BLOCK_N)
-    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+    s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_M)
+    acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
+    n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
         Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
+                                                                                          v_desc, STAGES)
     if DQ_SPLIT > 0:
-        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
+        ds_layout: gl.constexpr = gluon_common.tile_layout(dtype.primitive_bitwidth)
+        ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
         dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
         DQ_COLUMNS: gl.constexpr = HEAD_DIM // DQ_SPLIT
         dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -298,10 +281,10 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(kv_bar, 0)
     if KV_REGS == 2:
-        k_op = k_smem.load(operand_layout(s_layout))
-        v_op = v_smem.load(operand_layout(s_layout))
+        k_op = k_smem.load(gluon_common.operand_layout(s_layout))
+        v_op = v_smem.load(gluon_common.operand_layout(s_layout))
     elif KV_REGS == 1:
-        k_op = k_smem.load(operand_layout(s_layout))
+        k_op = k_smem.load(gluon_common.operand_layout(s_layout))
         v_op = v_smem
     else:
         k_op = k_smem
@@ -336,9 +319,9 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
-    dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
-    store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
+    dk_desc = gluon_common.row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
+    dv_desc = gluon_common.row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
+    gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
 
 
 @gluon.jit
@@ -350,10 +333,9 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
     or in registers (`flash_dq_gluon_kernel`'s QDO_REGS)."""
     dtype: gl.constexpr = k_desc.dtype
     for tile in range(start_tile, end_tile):
-        step, slot = ring_step(bars, tile, first_tile, STAGES)
-        k_tile = k_smem.index(slot)
-        v_tile = v_smem.index(slot)
-        s, dp = score_products(q_op, k_tile, do_op, v_tile, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout))
+        step, slot, k_tile, v_tile = gluon_common.ring_step(bars, k_smem, v_smem, tile, first_tile, STAGES)
+        s, dp = gluon_common.score_products(q_op, k_tile, do_op, v_tile,
+                                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
         _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
@@ -383,12 +365,12 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     shared memory in S = Q K^T and dP = dO V^T, 1 holds Q in registers, 2 both (the products then read only
     K^T / V^T from shared memory: half the bytes per FLOP; DQ_QDO_REGS)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
-    op_layout: gl.constexpr = operand_layout(acc_layout)
-    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
+    m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
-    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
         Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
@@ -416,7 +398,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
     mbarrier.wait(q_bar, 0)
-    operand: gl.constexpr = operand_layout(s_layout)
+    operand: gl.constexpr = gluon_common.operand_layout(s_layout)
     if QDO_REGS == 2:
         q_op = q_smem.load(operand)
         do_op = do_smem.load(operand)
@@ -444,7 +426,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(slot))
     gl.thread_barrier()
-    dq_desc = row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
+    dq_desc = gluon_common.row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
     q_smem.store((dq * sm_scale).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
@@ -458,14 +440,15 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)"""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
+    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, None, *strides, *row_strides(dk4), *row_strides(dv4), *sizes, 0),
+                     (*common, dk4, dv4, None, *strides, *gluon_common.row_strides(dk4),
+                      *gluon_common.row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
-    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *row_strides(dq4), *sizes),
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
@@ -484,11 +467,11 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     added into dq_accum, zeroed fp32 (batch x heads, `one_pass_rows(n_queries)`, d); D must be written first."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    dq_rows = check_dq_accum(dq_accum, q4)
-    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
+    dq_rows = gluon_common.check_dq_accum(dq_accum, q4)
+    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
-                      *row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *gluon_common.row_strides(dk4),
+                      *gluon_common.row_strides(dv4), *sizes, dq_rows),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

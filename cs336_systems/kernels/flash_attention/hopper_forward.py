@@ -35,17 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_attention.gluon_common import (
-    LOG2E,
-    operand_layout,
-    query_tile_of_program,
-    row_strides,
-    row_tiles,
-    wgmma_layout,
-)
+from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
-MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * LOG2E.value)  # forward.py's -1e6, log2 units
+MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * gluon_common.LOG2E.value)  # forward.py's -1e6, log2 units
 
 # (BLOCK_M, BLOCK_N, warps, stages) and RESCALE_EARLY per head dim: 16 query rows per warp (a warpgroup per 64
 # rows). The best of `cs336-bench attention-tune` (kernels forward-gluon, forward-gluon-late; H200, bf16 causal,
@@ -188,14 +181,14 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas)."""
     gl.static_assert(STAGES >= 2, "the V ring is refilled one step behind the K ring")
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = wgmma_layout(NUM_WARPS, BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(NUM_WARPS, HEAD_DIM)
-    op_layout: gl.constexpr = operand_layout(acc_layout)
+    s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_N)
+    acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
+    op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    q_desc = gluon_common.row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
+    k_desc = gluon_common.row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = gluon_common.row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -256,12 +249,12 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     # Q's buffer takes O on its way out (TMA clips rows past n_queries).
     l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
     gl.thread_barrier()
-    o_desc = row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
+    o_desc = gluon_common.row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
     q_smem.store((acc / l_acc[:, None]).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [m0, 0], q_smem)
-    lse = (m_i + gl.log2(l_i)) / LOG2E  # natural log, as the backward reads it
+    lse = (m_i + gl.log2(l_i)) / gluon_common.LOG2E  # natural log, as the backward reads it
     gl.store(L + batch_head.to(gl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
     tma.store_wait(pendings=0)
 
@@ -275,8 +268,8 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     batch, heads, n_queries, head_dim = q4.shape
     if warp_specialised is None:
         warp_specialised = head_dim in WARP_SPECIALISED_HEAD_DIMS
-    strides = (*row_strides(q4), *row_strides(k4), *row_strides(v4), *row_strides(o4))
-    args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * LOG2E.value)
+    strides = [stride for t in (q4, k4, v4, o4) for stride in gluon_common.row_strides(t)]
+    args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
@@ -344,9 +337,9 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
                  lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
-    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
-    op_layout: gl.constexpr = operand_layout(acc_layout)
+    s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_N)
+    acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
+    op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype
     rows0 = m0 + half * WS_CONSUMER_ROWS
@@ -381,7 +374,7 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
     gl.thread_barrier()  # (this partition's warps) every row is written before the copy engine reads the tile
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [rows0, 0], q_tile)
-    lse = (m_i + gl.log2(l_i)) / LOG2E
+    lse = (m_i + gl.log2(l_i)) / gluon_common.LOG2E
     gl.store(lse_row + offs_m, lse, mask=offs_m < n_queries)
     tma.store_wait(pendings=0)
 
@@ -399,11 +392,11 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
     gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    m0, batch_head, b, h = query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
-    o_desc = row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
+    m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    q_desc = gluon_common.row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
+    k_desc = gluon_common.row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
+    v_desc = gluon_common.row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    o_desc = gluon_common.row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)

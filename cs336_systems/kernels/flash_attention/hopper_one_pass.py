@@ -36,24 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_attention.gluon_common import (
-    LOG2E,
-    backward_input_tiles,
-    check_dq_accum,
-    input_args,
-    key_tile_buffers,
-    key_tile_of_program,
-    operand_layout,
-    probabilities_t,
-    ring_step,
-    row_strides,
-    row_tiles,
-    score_products,
-    store_key_gradients,
-    tile_layout,
-    tma_reduce_add,
-    wgmma_layout,
-)
+from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
 HEAD_DIMS = (128,)
@@ -99,14 +82,12 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
     COLUMNS: gl.constexpr = HEAD_DIM // 2
     dtype: gl.constexpr = q_smem.dtype
     for tile in range(start_tile, end_tile):
-        step, slot = ring_step(ready, tile, first_tile, STAGES)
-        q_tile = q_smem.index(slot)
-        do_tile = do_smem.index(slot)
-        sT, dpT = score_products(k_half, q_tile, v_half, do_tile,
-                                 gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, s_layout))
+        step, slot, q_tile, do_tile = gluon_common.ring_step(ready, q_smem, do_smem, tile, first_tile, STAGES)
+        sT, dpT = gluon_common.score_products(k_half, q_tile, v_half, do_tile,
+                                              gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, s_layout))
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
-        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * LOG2E
-        pT = probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
+        lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * gluon_common.LOG2E
+        pT = gluon_common.probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         pT_low = gl.convert_layout(pT.to(dtype), op_layout)
         dv = warpgroup_mma(pT_low, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
@@ -132,7 +113,7 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         stage.store(share * sm_scale)
         fence_async_shared()
         gl.thread_barrier()
-        tma_reduce_add(dq_desc, [tile * BLOCK_M, half * COLUMNS], stage)
+        gluon_common.tma_reduce_add(dq_desc, [tile * BLOCK_M, half * COLUMNS], stage)
     return dk, dv
 
 
@@ -143,10 +124,10 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     """One consumer warpgroup: dK and dV of keys n0 + 64 * half onwards, and its share of dQ."""
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    s_layout: gl.constexpr = wgmma_layout(4, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM)
-    share_layout: gl.constexpr = wgmma_layout(4, HEAD_DIM // 2)
-    op_layout: gl.constexpr = operand_layout(acc_layout)
+    s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_M)
+    acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
+    share_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM // 2)
+    op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     keys0 = n0 + half * KEYS_PER_CONSUMER
     k_half = k_smem.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0)
     v_half = v_smem.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0)
@@ -180,7 +161,7 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     # read all of K, so both must be done first.
     mbarrier.arrive(kv_done)
     mbarrier.wait(kv_done, 0)
-    store_key_gradients(dk, dv, sm_scale, k_half, v_half, dk_desc, dv_desc, keys0)
+    gluon_common.store_key_gradients(dk, dv, sm_scale, k_half, v_half, dk_desc, dv_desc, keys0)
 
 
 @gluon.jit
@@ -200,19 +181,23 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     gl.static_assert(BLOCK_N == 2 * KEYS_PER_CONSUMER, "two consumer warpgroups of 64 keys")
     gl.static_assert(HEAD_DIM == 128, "dQ's columns split at the 128-byte swizzle")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    n0, batch_head, b, h = key_tile_of_program(n_heads, BLOCK_N)
-    q_desc, do_desc, k_desc, v_desc = backward_input_tiles(
+    n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
+    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
         Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
         stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
-    dk_desc = row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER, HEAD_DIM)
-    dv_desc = row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER, HEAD_DIM)
+    dk_desc = gluon_common.row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER,
+                                     HEAD_DIM)
+    dv_desc = gluon_common.row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER,
+                                     HEAD_DIM)
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
                                          block_shape=[BLOCK_M, HEAD_DIM // 2], layout=dq_layout)
     dtype: gl.constexpr = q_desc.dtype
-    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], tile_layout(dtype.primitive_bitwidth))
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
+                                                                                          v_desc, STAGES)
+    ds_layout: gl.constexpr = gluon_common.tile_layout(dtype.primitive_bitwidth)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HEAD_DIM // 2], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -250,10 +235,10 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim: got {head_dim}; the warp-specialised one-pass backward takes {HEAD_DIMS}")
     n_keys = k4.shape[2]
-    dq_rows = check_dq_accum(dq_accum, q4)
-    strides, sizes = input_args(q4, k4, v4, do4, sm_scale)
+    dq_rows = gluon_common.check_dq_accum(dq_accum, q4)
+    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     return GluonPass(flash_bwd_one_pass_ws_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *row_strides(dk4),
-                      *row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *gluon_common.row_strides(dk4),
+                      *gluon_common.row_strides(dv4), *sizes, dq_rows),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

@@ -22,6 +22,11 @@ def _positive_int(value, name: str) -> int:
 def get_batch(dataset: npt.NDArray, batch_size: int, context_length: int, device: str
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample `batch_size` windows; returns (x, y), both (batch_size, context_length) int64, y = x shifted by one."""
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(
+            f"get_batch: device must be a torch device such as 'cpu', 'cuda' or 'cuda:0', got {device!r}") from None
     batch_size = _positive_int(batch_size, "batch_size")
     context_length = _positive_int(context_length, "context_length")
     if dataset.ndim != 1:

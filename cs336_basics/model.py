@@ -14,6 +14,7 @@ import os
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from einops import einsum, rearrange
 
 from .nn_utils import softmax
@@ -44,7 +45,15 @@ class Embedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
             raise TypeError(f"Embedding: token_ids must be integers, got dtype {token_ids.dtype}")
-        return self.weight[token_ids, :]
+        vocab_size = self.weight.shape[0]
+        # Checked where it is free: on the CPU. A GPU check would wait for the device every step; there
+        # F.embedding's bounds check stops the run with a device-side assert instead (indexing would wrap -1
+        # to the last row, silently).
+        if token_ids.device.type == "cpu" and token_ids.numel():
+            low, high = int(token_ids.min()), int(token_ids.max())
+            if low < 0 or high >= vocab_size:
+                raise ValueError(f"Embedding: token ids must lie in [0, {vocab_size}), got ids from {low} to {high}")
+        return F.embedding(token_ids, self.weight)
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.weight.shape[0]}, d_model={self.weight.shape[1]}"
@@ -208,6 +217,8 @@ class BasicsTransformerLM(nn.Module):
         """x: (batch, seq) int64 token ids -> logits (batch, seq, vocab)."""
         if x.dtype.is_floating_point or x.dtype == torch.bool:
             raise TypeError(f"BasicsTransformerLM: token ids must be integers, got dtype {x.dtype}")
+        if x.shape[-1] == 0:
+            raise ValueError("BasicsTransformerLM: sequence length must be at least 1, got 0")
         if x.shape[-1] > self.context_length:
             raise ValueError(
                 f"BasicsTransformerLM: sequence length {x.shape[-1]} exceeds context_length {self.context_length}"

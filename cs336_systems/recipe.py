@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from cs336_basics.optimizer import AdamW
-from cs336_systems.attention import use_attention
+from cs336_systems.attention import attention_names, use_attention
 from cs336_systems.config import ModelConfig
 from cs336_systems.memory.checkpointing import apply_checkpointing
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
@@ -51,6 +51,8 @@ class Recipe:
             raise ValueError(f"Recipe: compile must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"Recipe: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.attention not in attention_names():
+            raise ValueError(f"Recipe: attention must be one of {', '.join(attention_names())}, got {self.attention!r}")
         if self.fused_rope and not self.fused:
             raise ValueError("Recipe: fused_rope needs fused")
         if not isinstance(self.checkpoint, CheckpointPolicy):

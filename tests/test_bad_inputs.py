@@ -10,6 +10,7 @@ import torch
 from cs336_basics.data import get_batch
 from cs336_basics.model import BasicsTransformerLM
 from cs336_basics.optimizer import AdamW
+from cs336_systems.attention import get_attention
 from cs336_systems.bench.cli import main
 from cs336_systems.bench.common import is_oom
 from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
@@ -47,6 +48,26 @@ COMMAND_LINES = [
     (["collectives", "--device", "cpu", "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
     (["attention-tune", "--device", "cpu", "--dtype", "bf16"], "exit",
      "attention-tune: --dtype bf16 on the CPU runs under Triton's interpreter"),
+    ([*MODEL, "--warmup", "-1"], "argparse", "--warmup: got -1; must be >= 0"),
+    ([*MODEL, "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
+    ([*MODEL, "--dtype", "int8"], "argparse", "--dtype: got 'int8'; allowed: fp32, bf16, fp16"),
+    ([*MODEL, "--attention", "magic"], "argparse", "--attention: invalid choice: 'magic'"),
+    ([*MODEL, "--optimizer", "sgd"], "argparse", "--optimizer: invalid choice: 'sgd'"),
+    ([*MODEL, "--compile", "maybe"], "argparse", "--compile: got 'maybe'; allowed: off, on"),
+    (["attention", "--device", "cpu", "--d", "0"], "argparse", "--d: got 0; must be >= 1"),
+    (["attention", "--device", "cpu", "--provider", "bogus"], "argparse", "--provider: got 'bogus'; allowed: triton"),
+    (["attention", "--device", "cpu", "--batch", "0"], "argparse", "--batch: got 0; must be >= 1"),
+    (["attention", "--device", "cpu", "--sweep", "nope"], "argparse", "--sweep: invalid choice: 'nope'"),
+    (["leaderboard", "--preset", "tiny", "--device", "cpu", "--context", "0"], "argparse", "--context: got 0; must be"),
+    (["leaderboard", "--preset", "tiny", "--device", "cpu", "--param-dtype", "int8"], "argparse",
+     "--param-dtype: invalid choice: 'int8'"),
+    (["cross-entropy", "--device", "cpu", "--vocab", "0"], "argparse", "--vocab: got 0; must be >= 1"),
+    (["cross-entropy", "--device", "cpu", "--tokens", "-1"], "argparse", "--tokens: got -1; must be >= 1"),
+    (["memory", "search", "--device", "cpu", "--context", "0"], "argparse", "--context: got 0; must be >= 1"),
+    (["fsdp", "--device", "cpu", "--world-size", "0"], "argparse", "--world-size: got 0; must be >= 1"),
+    (["sharding", "--device", "cpu", "--world-size", "-2"], "argparse", "--world-size: got -2; must be >= 1"),
+    (["ddp", "--device", "cpu", "--backend", "mpi"], "argparse", "--backend: invalid choice: 'mpi'"),
+    (["collectives", "--device", "cpu", "--sizes-mb", "0"], "exit", "--sizes-mb: sizes must be positive, got 0.0"),
 ]
 if not torch.cuda.is_available():
     COMMAND_LINES.append(([*MODEL[:-1], "cuda:1"], "argparse", "--device: got 'cuda:1' but no CUDA device is visible"))
@@ -67,6 +88,14 @@ def test_a_bad_command_line_is_refused_before_work(argv, where, message, tmp_pat
 TOKENS = np.arange(100, dtype=np.int64)
 PARAMS = [torch.nn.Parameter(torch.zeros(2))]
 Q = torch.randn(1, 8, 16)
+LM = BasicsTransformerLM(100, 16, 32, 1, 4, 64, 10000.0)  # vocab 100, context 16
+
+
+def flash_attention(*args, **kwargs):
+    from cs336_systems.kernels.flash_attention.function import flash_attention as triton_flash_attention  # (Triton)
+
+    return triton_flash_attention(*args, **kwargs)
+
 
 # (a call that must be refused, the error type, the text its message must contain)
 PYTHON_CALLS = [
@@ -96,6 +125,25 @@ PYTHON_CALLS = [
     (lambda: FlashAttentionPytorch.apply(Q[..., :0], Q[..., :0], Q[..., :0]), ValueError,
      "FlashAttentionPytorch: the head dim must be at least 1, got 0"),
     (lambda: FlashAttentionPytorch.apply(Q[0], Q[0], Q[0]), ValueError, "FlashAttentionPytorch: q must be 3-D"),
+    (lambda: LM(torch.tensor([[3, -1]])), ValueError, "token ids must lie in [0, 100), got ids from -1 to 3"),
+    (lambda: LM(torch.tensor([[100]])), ValueError, "Embedding: token ids must lie in [0, 100), got ids from 100"),
+    (lambda: LM(torch.tensor([[1.0]])), TypeError, "BasicsTransformerLM: token ids must be integers, got dtype"),
+    (lambda: LM(torch.zeros(1, 0, dtype=torch.long)), ValueError, "sequence length must be at least 1, got 0"),
+    (lambda: LM(torch.zeros(1, 17, dtype=torch.long)), ValueError, "sequence length 17 exceeds context_length 16"),
+    (lambda: get_batch(np.zeros((10, 10), dtype=np.int64), 2, 4, "cpu"), ValueError,
+     "get_batch: dataset must be a 1-D token array, got shape (10, 10)"),
+    (lambda: get_batch(TOKENS, 2, 4, "tpu"), ValueError, "get_batch: device must be a torch device such as"),
+    (lambda: AdamW(PARAMS, betas=(0.9, 1.0)), ValueError, "AdamW: betas must lie in [0, 1), got (0.9, 1.0)"),
+    (lambda: CheckpointPolicy.parse("every-k:0"), ValueError, "every-k needs a positive group size"),
+    (lambda: CheckpointPolicy.parse(""), ValueError, "unknown checkpoint policy ''; valid: none, every-block"),
+    (lambda: Recipe(attention="bogus"), ValueError, "Recipe: attention must be one of reference"),
+    (lambda: get_attention("nope"), ValueError, "unknown attention implementation 'nope'; valid: reference"),
+    (lambda: flash_attention(Q, Q, Q, backward="magic"), ValueError,
+     "flash_attention: backward must be one of triton, two-pass, tl, fused, compile, got 'magic'"),
+    (lambda: flash_attention(Q, Q, Q, launcher="rust"), ValueError,
+     "flash_attention: launcher must be one of python, native, got 'rust'"),
+    (lambda: flash_attention(Q, Q, Q, fp32_precision="fp64"), ValueError,
+     "flash_attention: fp32_precision: got 'fp64'; allowed: ieee, tf32x3, tf32"),
 ]
 
 

@@ -5,8 +5,9 @@ plus the few collectives gloo lacks.
   them), picks NCCL for CUDA and gloo otherwise, pins the device to the local rank, and uses
   a bounded timeout so a rank that dies makes the others fail instead of hanging.
 * `spawn(fn, world_size, ...)` runs `fn(rank, world_size, *args)` in fresh processes that meet at a
-  rendezvous store this process binds first (on a free port, so no other process can take it in between);
-  if one raises, torch's spawn terminates the rest and re-raises its error here.
+  rendezvous store this process binds first (on a free port, so no other process can take it in between),
+  and watches them: the first rank that raises, exits early, is killed or hangs stops them all, and its
+  rank and what it did are raised here.
 * `reduce_scatter` / `all_gather_into` fall back to all-reduce + slice and list all-gather
   on gloo, which has no reduce-scatter.
 """
@@ -16,10 +17,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
+import signal
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
@@ -72,7 +76,7 @@ def teardown() -> None:
 
 
 def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: str | None, args: tuple,
-                 error_dir: str) -> None:
+                 status_dir: str, timeout_s: float) -> None:
     os.environ["MASTER_ADDR"] = "localhost"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world_size), str(rank)
@@ -81,26 +85,78 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
         # The parent holds the store's port from before the spawn to the end (see `spawn`): every rank,
         # rank 0 included, joins it as a client.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
-        setup(backend, rank=rank, world_size=world_size, device=device, store=store)
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        setup(backend, rank=rank, world_size=world_size, device=device, store=store, timeout_s=timeout_s)
         fn(rank, world_size, *args)
         if dist.is_initialized():
             # Every rank done before any tears down: a gloo rank destroying its group while a peer still talks
             # to it aborted once in CI ("terminate called without an active exception", SIGABRT, 2026-12-04).
             dist.barrier()
+        open(os.path.join(status_dir, f"done{rank}"), "w").close()  # finished, as opposed to exited early
     except BaseException as error:
-        # Record when and why this rank failed: the parent reports the first failure, the cause,
-        # not a peer's "connection closed" that followed it.
-        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+        # When and why this rank failed: the parent reports the first failure, the cause, not a peer's
+        # "connection closed" that followed it.
+        with open(os.path.join(status_dir, f"rank{rank}"), "w") as f:
             f.write(f"{time.time()}\n{type(error).__name__}: {error}")
         raise
     finally:
         teardown()
 
 
-def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", port: int | None = None) -> None:
+# Errors a rank raises because another rank stopped: a closed connection, or a collective that timed out waiting.
+_KNOCK_ON = re.compile(r"connection (closed|reset|refused)|timed out|timeout|broken pipe|peer|end of file",
+                       re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class _Failure:
+    when: float
+    rank: int
+    what: str
+
+    @property
+    def knock_on(self) -> bool:
+        return bool(_KNOCK_ON.search(self.what))
+
+
+def _exit_description(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}" + (" before finishing" if exitcode == 0 else "")
+
+
+def _first_failure(procs: list, status_dir: str, exited: dict[int, float]) -> str:
+    """'rankN failed first: what it did', from the ranks' own records and the exits the parent saw. A rank's own
+    error beats a peer's knock-on error (closed connection, timeout) whatever the clock says; where every record
+    is a knock-on and a rank is still running, that rank is the one that stopped responding."""
+    failures = []
+    for rank, proc in enumerate(procs):
+        record = os.path.join(status_dir, f"rank{rank}")
+        if os.path.exists(record):
+            with open(record) as f:
+                when, message = f.read().split("\n", 1)
+            if message.startswith("SystemExit"):  # sys.exit(code) inside fn
+                code = proc.exitcode if rank in exited else message.split(": ", 1)[-1]
+                message = f"exited with code {code}" + (" before finishing" if code == 0 else "")
+            else:
+                message = f"raised {message}"
+            failures.append(_Failure(float(when), rank, message))
+        elif rank in exited:
+            failures.append(_Failure(exited[rank], rank, _exit_description(proc.exitcode)))
+    first = min(failures, key=lambda f: (f.knock_on, f.when))
+    still_running = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    if first.knock_on and still_running:
+        return (f"rank{still_running[0]} failed first: stopped responding (still running when rank{first.rank} "
+                f"gave up on it: {first.what})")
+    return f"rank{first.rank} failed first: {first.what}"
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", port: int | None = None,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Run fn(rank, world_size, *args) on `world_size` processes, each already in the process group
-    (gloo on CPU by default; "nccl" for one GPU per rank); the first error is re-raised here."""
+    (gloo on CPU by default; "nccl" for one GPU per rank). A rank that raises, exits before finishing (with any
+    code), is killed, or hangs (its peers' collectives time out after timeout_s) stops every rank, and
+    `RuntimeError("rankN failed first: what it did")` is raised here."""
     if world_size < 1:
         raise ValueError(f"spawn: world_size must be >= 1, got {world_size}")
     # The rendezvous store lives in this process, bound before any rank starts (port 0: the system picks a free
@@ -108,24 +164,46 @@ def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", po
     # about 1 of 32 fresh runs).
     try:
         store = dist.TCPStore("127.0.0.1", port or 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+                              timeout=datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as error:
         raise RuntimeError(f"spawn: could not listen on port {port or 0} for the ranks' rendezvous "
                            f"({str(error).splitlines()[0][:200]}); pass another port or none") from None
-    with tempfile.TemporaryDirectory() as error_dir:
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as status_dir:
+        procs = [context.Process(target=_spawn_entry, name=f"rank{rank}",
+                                 args=(rank, fn, world_size, store.port, backend, args, status_dir, timeout_s))
+                 for rank in range(world_size)]
+        for proc in procs:
+            proc.start()
+        failure = None
         try:
-            mp.spawn(_spawn_entry, args=(fn, world_size, store.port, backend, args, error_dir),
-                     nprocs=world_size, join=True)
-        except mp.ProcessRaisedException as error:
-            failures = []
-            for name in os.listdir(error_dir):
-                with open(os.path.join(error_dir, name)) as f:
-                    when, message = f.read().split("\n", 1)
-                failures.append((float(when), name, message))
-            if not failures:
-                raise
-            when, name, message = min(failures)
-            raise RuntimeError(f"{name} failed first: {message}") from error
+            running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
+            exited: dict[int, float] = {}
+            while running and failure is None:
+                for sentinel in mp_connection.wait(list(running)):
+                    rank = running.pop(sentinel)
+                    procs[rank].join()
+                    exited[rank] = time.time()
+                    if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(status_dir, f"done{rank}")):
+                        failure = _first_failure(procs, status_dir, exited)
+                        break
+        finally:
+            _stop(procs)
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def _stop(procs: list, grace_s: float = 5.0) -> None:
+    """End every rank still running: SIGTERM, then SIGKILL after grace_s (a rank stuck in a collective)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.time() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.time()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def world_size() -> int:

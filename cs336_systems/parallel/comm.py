@@ -85,7 +85,13 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
         # The parent holds the store's port from before the spawn to the end (see `spawn`): every rank,
         # rank 0 included, joins it as a client.
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+                              timeout=datetime.timedelta(seconds=max(timeout_s, DEFAULT_TIMEOUT_S)))
+        # Everyone started before timeout_s counts: it bounds the wait for a peer that stopped, not a slow start
+        # (importing torch on a loaded machine). A rank that dies before arriving is the parent's to see.
+        store.add("spawn/arrived", 1)
+        while store.add("spawn/arrived", 0) < world_size:
+            time.sleep(0.01)
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
         setup(backend, rank=rank, world_size=world_size, device=device, store=store, timeout_s=timeout_s)
         fn(rank, world_size, *args)
         if dist.is_initialized():

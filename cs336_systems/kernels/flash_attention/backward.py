@@ -111,6 +111,8 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
         dsT = pT * (dpT - delta[None, :])
+        if MASKED and IS_CAUSAL:
+            dsT = tl.where(offs_m[None, :] == 0, 0.0, dsT)  # the first row sees one key: dS is exactly 0
         if PRECISION != "tf32":  # fp32-accurate dots ("ieee", "tf32x3"): compensated
             dv, dv_error = add_compensated(dv, dv_error, tl.dot(pT, do, input_precision=PRECISION))
             dk, dk_error = add_compensated(dk, dk_error, tl.dot(dsT, tl.trans(qT), input_precision=PRECISION))
@@ -155,6 +157,8 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if MASKED and IS_CAUSAL:
+            ds = tl.where(offs_m[:, None] == 0, 0.0, ds)  # the first row sees one key: dS is exactly 0
         if PRECISION != "tf32":
             dq, dq_error = add_compensated(dq, dq_error, tl.dot(ds, tl.trans(kT), input_precision=PRECISION))
         else:

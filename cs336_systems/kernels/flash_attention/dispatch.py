@@ -276,12 +276,16 @@ def _backward_result(q, buffers: dict[str, torch.Tensor], accum: str | None):
     """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one
     (the `tl` kernel adds dS K unscaled; the Gluon ones add it scaled)."""
     if accum is None:
-        return buffers["dq"], buffers["dk"], buffers["dv"]
-    rows = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
-    if accum == "tl":
-        rows = rows.mul_(1.0 / math.sqrt(q.shape[-1]))
-    dq = torch.empty_like(q)  # in q's layout, as the other gradients
-    dq.copy_(rows.view(q.shape))  # (batch*heads, ..) -> q's dims
+        dq = buffers["dq"]
+    else:
+        rows = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
+        if accum == "tl":
+            rows = rows.mul_(1.0 / math.sqrt(q.shape[-1]))
+        dq = torch.empty_like(q)  # in q's layout, as the other gradients
+        dq.copy_(rows.view(q.shape))  # (batch*heads, ..) -> q's dims
+    if buffers["dk"].shape[-2] == 1:  # one key: P = 1 whatever Q and K, so their gradients are exactly zero
+        dq.zero_()
+        buffers["dk"].zero_()
     return dq, buffers["dk"], buffers["dv"]
 
 

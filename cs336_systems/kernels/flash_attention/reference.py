@@ -105,7 +105,13 @@ def flash_forward_tiled(q, k, v, is_causal: bool, q_tile: int, k_tile: int):
 
 
 def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: int, k_tile: int):
-    """Backward by recomputation, tile by tile, with D = rowsum(O * dO). Returns (dq, dk, dv)."""
+    """Backward by recomputation, tile by tile, with D = rowsum(O * dO). Returns (dq, dk, dv).
+
+    A row that sees one key (every row when there is one key; the first row under a causal mask) has P = 1 there,
+    so its dS = P (dP - D) is zero; D from O and dO rounds differently from dP, though, which would leave
+    1e-7..1e-6 in gradients that are exactly zero (PyTorch's softmax backward gives exact zeros). Those rows' dS
+    is set to zero (every kernel does the same: `dispatch` for one key, the kernels' masked tiles for the first
+    row)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     acc_dtype = _accumulator_dtype(q)
@@ -127,6 +133,10 @@ def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: i
             dv[..., k0:k1, :] += p.transpose(-1, -2) @ do_blk
             dp = do_blk @ v_blk.transpose(-1, -2)
             ds = p * (dp - delta[..., q0:q1, None]) * scale
+            if is_causal and q0 == 0:
+                ds[..., 0, :] = 0.0  # `one_key_rows`: the first row sees one key
+            if n_keys == 1:
+                ds.zero_()
             dq[..., q0:q1, :] += ds @ k_blk
             dk[..., k0:k1, :] += ds.transpose(-1, -2) @ q_blk
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,111 @@
+"""Numerical fuzz of both FlashAttention-2 implementations (the PyTorch tiled class and the Triton kernels): 200
+seeded random shapes (odd lengths, n_queries != n_keys both ways, one query row, one key, batch 1, head dims
+16-128, causal and not), fp32 on the CPU (Triton under its interpreter) and fp32 / bf16 / fp16 on the GPU.
+
+Every output and gradient must be within 2x PyTorch's own error at the same precision against fp64, plus the
+floor the other tests use (`assert_within_budget`); where PyTorch's gradient is exactly zero (a row that sees one
+key), ours must be exactly zero too. Cases known to exceed 2x are listed in KNOWN_OVER_BUDGET with the reason and
+run as strict xfails: one that starts passing, or a new one that fails, fails the suite.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch, naive_attention
+from tests._support import assert_within_budget, kernel_device
+
+N_CASES = 200
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fuzz_cases(n: int = N_CASES, seed: int = 0) -> list[tuple[tuple, bool]]:
+    """(batch, heads or None, n_queries, n_keys, head dim), causal: the first three are the degenerate shapes."""
+    rng = random.Random(seed)
+    cases = [((1, None, 1, 1, 64), False), ((2, 2, 1, 5, 32), True), ((1, 1, 7, 1, 16), True)]
+    while len(cases) < n:
+        n_queries = rng.choice([1, 2, 3, 7, 16, 31, 33, 64, 65, 100, 127])
+        n_keys = rng.choice([1, 2, 5, 16, 17, 63, 64, 90, 129]) if rng.random() < 0.6 else n_queries
+        shape = (rng.choice([1, 1, 2, 3]), rng.choice([None, 1, 2]), n_queries, n_keys,
+                 rng.choice([16, 24, 32, 40, 64, 80, 96, 128]))
+        cases.append((shape, rng.random() < 0.5))
+    return cases
+
+
+CASES = fuzz_cases()
+
+# (implementation, device type, dtype, case index) -> why it exceeds 2x PyTorch's error. Both come from
+# FlashAttention-2's recomputation, not from a kernel's arithmetic: P = exp(S - L) carries the rounding of the saved
+# L (a relative error of about eps * |L| in every P of the row), where PyTorch's softmax divides by the row's sum;
+# and D = rowsum(O dO) rounds apart from dP, where PyTorch's softmax backward takes D = rowsum(P dP) from the same
+# dP, so its cancellation dP - D is the more exact one. Rows with few keys do not average either away. Measured
+# (fp32, CPU): 1.0x-2.6x the 2x budget, in 4 and 5 of 200 cases.
+RECOMPUTATION = "FA2 recomputes P from the saved L and takes D = rowsum(O dO): both round apart from PyTorch's softmax"
+KNOWN_OVER_BUDGET: dict[tuple[str, str, str, int], str] = {
+    **{("pytorch", "cpu", "fp32", index): RECOMPUTATION for index in (10, 12, 37, 122)},
+    **{("triton", "cpu", "fp32", index): RECOMPUTATION for index in (37, 49, 56, 120, 132)},
+}
+
+
+def _check(fn, case_index: int, dtype: torch.dtype, device: str) -> None:
+    (batch, heads, n_queries, n_keys, d), causal = CASES[case_index]
+    torch.manual_seed(case_index)
+    lead = (batch,) if heads is None else (batch, heads)
+    q, k, v = (torch.randn(*lead, n, d, device=device, dtype=dtype, requires_grad=True)
+               for n in (n_queries, n_keys, n_keys))
+    grad_out = torch.randn(*lead, n_queries, d, device=device, dtype=dtype)
+    out = fn(q, k, v, causal)
+    exact_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = naive_attention(*exact_in, causal)
+    low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low = naive_attention(*low_in, causal, upcast=False)  # PyTorch's own error at this precision
+    assert out.dtype == dtype and out.shape == exact.shape
+    assert_within_budget("out", out, exact, low)
+    ours = torch.autograd.grad(out, (q, k, v), grad_out)
+    exact_grads = torch.autograd.grad(exact, exact_in, grad_out.double())
+    low_grads = torch.autograd.grad(low, low_in, grad_out)
+    for name, mine, want, torch_low in zip(("dq", "dk", "dv"), ours, exact_grads, low_grads):
+        zero = torch_low == 0  # where PyTorch is exactly zero (rows that see one key), ours is too
+        assert torch.all(mine[zero & (want == 0)] == 0), f"{name}: not exactly zero where the gradient is"
+        assert_within_budget(name, mine, want, torch_low)
+
+
+def _params(implementation: str, device_type: str, dtype_names: tuple[str, ...]):
+    params = []
+    for dtype_name in dtype_names:
+        for index in range(N_CASES):
+            reason = KNOWN_OVER_BUDGET.get((implementation, device_type, dtype_name, index))
+            marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+            params.append(pytest.param(dtype_name, index, marks=marks, id=f"{dtype_name}-{index}"))
+    return params
+
+
+@pytest.mark.parametrize("dtype_name, case_index", _params("pytorch", "cpu", ("fp32",)))
+def test_pytorch_flash_fuzz_cpu(dtype_name, case_index):
+    _check(FlashAttentionPytorch.apply, case_index, DTYPES[dtype_name], "cpu")
+
+
+@pytest.mark.parametrize("dtype_name, case_index", _params("triton", "cpu", ("fp32",)))
+def test_triton_flash_fuzz_interpreter(dtype_name, case_index):
+    if kernel_device() != "cpu":
+        pytest.skip("the GPU runs test_triton_flash_fuzz_gpu")
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype_name, case_index", _params("pytorch", "cuda", tuple(DTYPES)))
+def test_pytorch_flash_fuzz_gpu(dtype_name, case_index):
+    _check(FlashAttentionPytorch.apply, case_index, DTYPES[dtype_name], "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype_name, case_index", _params("triton", "cuda", tuple(DTYPES)))
+def test_triton_flash_fuzz_gpu(dtype_name, case_index):
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cuda")

@@ -139,17 +139,6 @@ def query_tile_of_program(n_queries, n_heads, BLOCK_M: gl.constexpr, IS_CAUSAL: 
 
 
 @gluon.jit
-def first_row_zeroed_t(dsT, tile, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                       s_layout: gl.constexpr):
-    """dS^T of query tile `tile` with query row 0's column set to zero under a causal mask: that row sees one key, so
-    its dS is exactly 0 (D, from O and dO, rounds apart from dP; reference.flash_backward_tiled)."""
-    if MASKED and IS_CAUSAL:
-        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-        dsT = gl.where(offs_m[None, :] == 0, 0.0, dsT)
-    return dsT
-
-
-@gluon.jit
 def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
                     BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     """P^T of one (keys offs_n, query tile `tile`) block from S^T and L (log2 units): exp2 with the scale folded

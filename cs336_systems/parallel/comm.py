@@ -137,6 +137,8 @@ def _first_failure(procs: list, status_dir: str, exited: dict[int, float]) -> st
     is a knock-on and a rank is still running, that rank is the one that stopped responding."""
     failures = []
     for rank, proc in enumerate(procs):
+        if rank not in exited and proc.exitcode is not None:  # ended while the parent looked at another rank
+            exited[rank] = time.time()
         record = os.path.join(status_dir, f"rank{rank}")
         if os.path.exists(record):
             with open(record) as f:
@@ -186,13 +188,13 @@ def spawn(fn: Callable, world_size: int, *args, backend: str | None = "gloo", po
             running = {proc.sentinel: rank for rank, proc in enumerate(procs)}
             exited: dict[int, float] = {}
             while running and failure is None:
-                for sentinel in mp_connection.wait(list(running)):
+                for sentinel in mp_connection.wait(list(running)):  # every rank that ended since the last look
                     rank = running.pop(sentinel)
                     procs[rank].join()
                     exited[rank] = time.time()
-                    if procs[rank].exitcode != 0 or not os.path.exists(os.path.join(status_dir, f"done{rank}")):
-                        failure = _first_failure(procs, status_dir, exited)
-                        break
+                if any(procs[rank].exitcode != 0 or not os.path.exists(os.path.join(status_dir, f"done{rank}"))
+                       for rank in exited):
+                    failure = _first_failure(procs, status_dir, exited)
         finally:
             _stop(procs)
     if failure is not None:

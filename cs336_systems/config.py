@@ -36,6 +36,13 @@ class ModelConfig:
     def d_head(self) -> int:
         return self.d_model // self.num_heads
 
+    @property
+    def parameter_count(self) -> int:
+        """Parameters of the built model: embedding, per block attention (4 d^2), SwiGLU (3 d d_ff) and two
+        RMSNorm weights, the final norm, and the untied LM head."""
+        d = self.d_model
+        return 2 * self.vocab_size * d + self.num_layers * (4 * d * d + 3 * d * self.d_ff + 2 * d) + d
+
     def model_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -39,3 +39,11 @@ def test_tiny_builds_and_runs():
 
     model = PRESETS["tiny"].build()
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, PRESETS["tiny"].vocab_size)
+
+
+def test_parameter_count_is_the_built_models():
+    from cs336_systems.config import ModelConfig
+
+    for cfg in (ModelConfig.from_name("tiny"), ModelConfig(vocab_size=50, context_length=8, d_model=24, num_layers=3,
+                                                          num_heads=2, d_ff=40)):
+        assert cfg.parameter_count == sum(p.numel() for p in cfg.build().parameters())

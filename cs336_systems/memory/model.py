@@ -252,7 +252,7 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: CheckpointPolicy 
                          "use); model a bf16 model with dtype='bf16' instead")
     e = _dtype_bytes(dtype)
     state_e = _dtype_bytes(state_dtype or dtype)
-    n_params = sum(p for p in _param_counts(cfg))
+    n_params = cfg.parameter_count
     tokens = batch * seq
     if loss == "fused":
         chunk = min(chunk_tokens, tokens)
@@ -280,9 +280,3 @@ def predict(cfg: ModelConfig, batch: int, seq: int, *, policy: CheckpointPolicy 
                             logits=logits, peak=peak)
 
 
-def _param_counts(cfg: ModelConfig):
-    d = cfg.d_model
-    yield cfg.vocab_size * d  # embedding
-    yield cfg.num_layers * (4 * d * d + 3 * d * cfg.d_ff + 2 * d)
-    yield d  # final norm
-    yield cfg.vocab_size * d  # LM head

@@ -252,8 +252,10 @@ def attention_tuning(doc: Document, r: Results) -> None:
     both = pd.concat([two.rename("two"), one.rename("one")], axis=1).dropna()
     if not both.empty:
         parts = [f"{'x'.join(map(str, k))}: {row.one:.1f} ms vs {row.two:.1f} ms" for k, row in both.iterrows()]
-        doc.add(Paragraph("One pass (5 products, dQ reduced across key tiles) against two passes (7 products, no "
-                          "atomics), best configs each: " + "; ".join(parts) + ". Saving the dQ pass's "
-                          "recomputation does not pay in Triton on the H200: the extra dS transpose and the dQ "
-                          "tile in shared memory cost the occupancy the two-pass kernels keep, so the "
-                          "deterministic two-pass backward stays the default."))
+        winners = {"one pass" if row.one < row.two else "two passes" for _, row in both.iterrows()}
+        faster = f"the {winners.pop()}" if len(winners) == 1 else "either, by shape"
+        doc.add(Paragraph("The portable (`tl`) one pass (5 products, dQ reduced across key tiles) against its two "
+                          "passes (7 products, no atomics), best configs each: " + "; ".join(parts) +
+                          f". Faster in these rows: {faster}. Which backward runs by default "
+                          "is `dispatch.choose_backward`'s (kernels/flash_attention/README.md): on Hopper the "
+                          "Gluon kernels, timed in the attention tables above, not these."))

@@ -89,7 +89,7 @@ def ours_vs_baseline(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
     spread = rows.pivot_table(index=index, columns="provider", values="std", aggfunc="last").reset_index()
     for provider in ("ours", "baseline"):
         if provider in wide:
-            wide[f"{provider} ms (mean±std)"] = [
+            wide[f"{provider} ms (median ± std)"] = [
                 f"{m:.1f} ± {s:.1f}" if not np.isnan(m) else "-" for m, s in zip(wide[provider], spread[provider])]
     if {"ours", "baseline"} <= set(wide.columns):
         wide["ours / baseline"] = (wide["ours"] / wide["baseline"]).round(2)

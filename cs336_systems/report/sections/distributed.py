@@ -4,6 +4,7 @@ and communication_accounting (calculators)."""
 from __future__ import annotations
 
 from cs336_systems.analysis import collectives, ddp_overhead, memory, parallelism
+from cs336_systems.config import ModelConfig
 from cs336_systems.report.document import Code, Document, Figure, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest
 
@@ -19,14 +20,26 @@ def distributed_communication(doc: Document, r: Results) -> None:
         path = r.copy_figure("collectives_cpu_gloo.png")
         if path:
             doc.add(Figure(path, "time and bus bandwidth against size (gloo on CPU processes)"))
-        doc.add(Paragraph("On gloo over 2 CPU cores the small sizes are latency-bound (time nearly flat up to "
-                          "~1 MB) and the large ones bandwidth-bound (time linear in size); more ranks than cores "
-                          "oversubscribe the machine, so these are not GPU figures."))
+        doc.add(Paragraph(_latency_and_bandwidth(t) + " More ranks than cores oversubscribe the machine, so these "
+                          "are not GPU figures."))
     r.missing.append(("distributed_communication_single_node", "NCCL on 2/4/6 GPUs (issue 9: no multi-GPU machine)"))
     doc.add(Paragraph("The bandwidth model (`cs336-analyze collective`), 1 GB over N devices at W = 450 GB/s "
                       "egress (an illustrative NVLink-class figure, not a measurement):"))
     doc.add(Code("\n".join(str(collectives.collective_time(k, 1e9, n, 4.5e11))
                            + f"   (N={n})" for n in (2, 8) for k in collectives.COLLECTIVES)))
+
+
+def _latency_and_bandwidth(times) -> str:
+    """What the all-reduce rows of the smallest world size say about latency and bandwidth, in numbers."""
+    rows = times[(times["op"] == "all-reduce") & (times["world_size"] == times["world_size"].min())]
+    if rows["size_mb"].nunique() < 2:
+        return ""
+    rows = rows.groupby("size_mb")["median"].median().sort_index()
+    (small, t_small), (large, t_large) = (rows.index[0], rows.iloc[0]), (rows.index[-1], rows.iloc[-1])
+    return (f"All-reduce on {int(times['world_size'].min())} ranks: {t_small:.2f} ms at {small:g} MB and "
+            f"{t_large:.2f} ms at {large:g} MB, {t_large / t_small:.0f}x the time for {large / small:.0f}x the bytes: "
+            f"{'the small sizes are latency-bound' if t_large / t_small < large / small / 2 else 'close to linear'}"
+            f", the large ones run at {large / t_large:.2f} GB/s of tensor.")
 
 
 def ddp(doc: Document, r: Results) -> None:
@@ -42,11 +55,12 @@ def ddp(doc: Document, r: Results) -> None:
                           "waiting on gradients). " + environment(rows)))
         doc.add(Table(wide.round(2)))
     r.missing.append(("ddp_bucketed_benchmarking", "xl on 2 GPUs with NCCL (issue 10)"))
-    s, w, o = 2.0e9 * 4, 1e11, 5e-5
+    xl_parameters = ModelConfig.from_name("xl").parameter_count
+    s, w, o = xl_parameters * 4, 1e11, 5e-5
     doc.add(Paragraph("The overhead model (`cs336-analyze bucket`): with n_b equal buckets, the last bucket's "
                       "all-reduce is exposed and every call costs o, so overhead = s/(n_b w) + n_b o, minimised at "
-                      "bucket size sqrt(s w o). For xl's fp32 gradients (s = 8 GB) at w = 100 GB/s and o = 50 us "
-                      "(illustrative inputs):"))
+                      f"bucket size sqrt(s w o). For xl's fp32 gradients ({xl_parameters / 1e9:.2f} B parameters, "
+                      f"s = {s / 1e9:.2f} GB) at w = 100 GB/s and o = 50 us (illustrative inputs):"))
     doc.add(Code("\n".join(str(c) for c in ddp_overhead.optimal_bucket(s, w, o))))
 
 

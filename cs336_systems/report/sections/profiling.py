@@ -128,10 +128,17 @@ def memory_profiling(doc: Document, r: Results) -> None:
                           "dominate at context 128."))
         ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == 2048)]
         if not ooms.empty:
+            from cs336_systems.config import ModelConfig
+            from cs336_systems.memory.model import predict
+
             cases = sorted({f"{d} {m}" for d, m in zip(ooms["dtype"], ooms["mode"])})
+            batch = int(ooms["batch"].iloc[0]) if "batch" in ooms else 4
+            xl = ModelConfig.from_name("xl", context_length=2048)
+            predicted = predict(xl, batch, 2048, dtype="fp32").peak / 2**30
             doc.add(Paragraph("Out of memory on the 141 GB card at context 2048: " + ", ".join(cases) +
-                              " (the memory model predicts 307 GiB for the fp32 step: the (4, 32, 2048, 2048) "
-                              "score tensors, several per block, dominate)."))
+                              f" (the memory model, `cs336_systems.memory.model.predict`, puts the fp32 step's peak at "
+                              f"{predicted:.2f} GiB: the ({batch}, {xl.num_heads}, 2048, 2048) score tensors, several "
+                              "per block, dominate)."))
         for name in sorted(p.name for p in r.results_dir.glob("xl_ctx*_memory.png")):
             path = r.copy_figure(name)
             doc.add(Figure(path, f"active memory timeline: {name.removesuffix('_memory.png')}"))

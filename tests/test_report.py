@@ -206,3 +206,25 @@ def test_model_rows_of_one_provider_build_a_report(tmp_path):
                  attention="reference", mode="train-step")]
     text = _report_from(tmp_path, "model", rows)
     assert "## benchmarking_script" in text and "80.0" in text and "the baseline's time in fp32" not in text
+
+
+def test_document_renders_for_a_reader():
+    """A table of contents whose links match the HTML ids, integers as integers, blanks for missing values, code
+    spans as code, and no name over a pivot table's columns."""
+    import re
+
+    import pandas as pd
+
+    from cs336_systems.report.document import Document, Heading, Paragraph, Table
+
+    frame = pd.DataFrame({"context": [2048.0, 512.0], "ms": [1.5, float("nan")]})
+    frame.columns.name = "provider"
+    doc = Document("t", [Heading("flash: `triton` (a)"), Paragraph("run `cs336-bench`"), Heading("flash: `triton` (a)"),
+                         Table(frame)])
+    markdown, page = doc.markdown(), doc.html()
+    links = re.findall(r"\]\(#([^)]+)\)", markdown)
+    assert links == ["flash-triton-a", "flash-triton-a-1"]
+    assert all(f'id="{link}"' in page and f'href="#{link}"' in page for link in links)
+    assert "<code>cs336-bench</code>" in page and "`" not in page
+    assert "2048" in markdown and "2048.0" not in markdown and "nan" not in markdown.lower()
+    assert "provider" not in page and "NaN" not in page

@@ -29,7 +29,7 @@ def benchmarking_script(doc: Document, r: Results) -> None:
                       "(batch 4, context 512, 3 warm-up and 8 timed steps; `ours` is the cs336_basics model with "
                       "the staff-equivalent attention and AdamW, `baseline` the PyTorch-native LM with SDPA and "
                       "fused AdamW). " + environment(eager)))
-    doc.add(Table(table, "median ms; mean ± std over the timed steps"))
+    doc.add(Table(table, "median ± standard deviation over the timed steps, ms"))
     first = latest(eager[eager["provider"] == "ours"], ["preset", "mode"])
     calls = r.frame("model")
     calls = calls[(calls["metric"] == "first_call_time") & calls["run_id"].isin(first["run_id"])]

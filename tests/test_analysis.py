@@ -23,30 +23,50 @@ def test_ring_collectives(n):
 
 
 def test_ffn_costs_by_hand():
-    # B=1024 tokens, D=1024, F=4096, bf16, N=4, C=1e14, W=1e11.
+    # The handout's FFN: W1, W2 (D x F), W3 (F x D). B=1024 tokens, D=1024, F=4096, fp16, N=4, C=1e14, W=1e11.
     B, D, F, N, C, W = 1024, 1024, 4096, 4, 1e14, 1e11
     fwd, bwd = parallelism.ffn_flops(B, D, F)
-    assert fwd.value == 4 * 1024 * 1024 * 4096 and bwd.value == 2 * fwd.value
+    assert fwd.value == 3 * 2 * B * D * F and bwd.value == 2 * fwd.value  # three matmuls; two products each back
+    assert parallelism.ffn_flops(B, D, F, devices=4)[0].value == fwd.value / 4
     dp = {c.name: c.value for c in parallelism.ffn_costs("dp", B, D, F, N, C, W)}
     assert dp["T_compute_forward"] == pytest.approx(fwd.value / (4 * 1e14))
-    assert dp["T_comm_backward"] == pytest.approx(2 * 0.75 * 2 * D * F * 2 / W)  # 2(N-1)/N x 2DF x 2 bytes
+    assert dp["T_comm_forward"] == 0
+    assert dp["T_comm_backward"] == pytest.approx(2 * 0.75 * 3 * D * F * 2 / W)  # all-reduce of 3 D F grads
     fsdp = {c.name: c.value for c in parallelism.ffn_costs("fsdp", B, D, F, N, C, W)}
-    assert fsdp["T_comm_forward"] == pytest.approx(0.75 * 2 * D * F * 2 / W)
+    assert fsdp["T_comm_forward"] == pytest.approx(0.75 * 3 * D * F * 2 / W)  # all-gather of the 3 weights
+    assert fsdp["T_comm_backward"] == pytest.approx(2 * fsdp["T_comm_forward"])  # all-gather + reduce-scatter
     tp = {c.name: c.value for c in parallelism.ffn_costs("tp", B, D, F, N, C, W)}
-    assert tp["T_comm_forward"] == pytest.approx(2 * 0.75 * B * D * 2 / W)
+    assert tp["T_comm_forward"] == tp["T_comm_backward"] == pytest.approx(2 * 0.75 * B * D * 2 / W)  # all-reduce
     mixed = {c.name: c.value for c in parallelism.ffn_costs("fsdp-tp", B, D, F, N, C, W, mesh=(2, 2))}
-    assert mixed["T_comm_forward"] == pytest.approx(0.5 * 2 * D * F * 2 / (2 * W) + 2 * 0.5 * 512 * D * 2 / W)
+    assert mixed["T_comm_forward_fsdp_axis"] == pytest.approx(0.5 * 3 * D * F * 2 / (2 * W))
+    assert mixed["T_comm_forward_tp_axis"] == pytest.approx(2 * 0.5 * 512 * D * 2 / W)
+    assert mixed["T_comm_forward"] == max(mixed["T_comm_forward_fsdp_axis"], mixed["T_comm_forward_tp_axis"])
     with pytest.raises(ValueError, match="mesh"):
         parallelism.ffn_costs("fsdp-tp", B, D, F, N, C, W, mesh=(3, 2))
 
 
 def test_device_limits_by_hand():
-    # DP: 8BDF/(NC) = 4DFb/W  =>  N = 2BW/(bC) = 2*65536*1.8e11/(2*4.6e14) = 25.6.
-    calc = parallelism.max_devices_before_comm_dominates("dp", 65536, 16384, 53248, 4.6e14, 1.8e11)
-    assert calc.value == 25
-    assert parallelism.max_devices_before_comm_dominates("dp", 65536, 16384, 53248, 4.6e14, 1.8e11,
-                                                         overlapped=False).value == 38
-    assert parallelism.max_devices_before_comm_dominates("tp", 65536, 16384, 53248, 4.6e14, 1.8e11).value == 20
+    B, D, F, C, W = 65536, 16384, 53248, 4.6e14, 1.8e11
+    # DP: 6DFb/W = 12BDF/(NC)  =>  N = 2BW/(bC) = 2*65536*1.8e11/(2*4.6e14) = 25.6.
+    assert parallelism.max_devices_before_comm_dominates("dp", B, D, F, C, W).value == 25
+    for phase in ("forward", "backward"):  # FSDP: the same bound in both phases
+        assert parallelism.max_devices_before_comm_dominates("fsdp", B, D, F, C, W, phase=phase).value == 25
+    # TP forward: 2BDb/W = 6BDF/(NC)  =>  N = 3FW/(bC) = 31.26; backward 6FW/(bC) = 62.5.
+    assert parallelism.max_devices_before_comm_dominates("tp", B, D, F, C, W, phase="forward").value == 31
+    assert parallelism.max_devices_before_comm_dominates("tp", B, D, F, C, W, phase="backward").value == 62
+    with pytest.raises(ValueError, match="no device limit for 'dp' in the forward"):
+        parallelism.max_devices_before_comm_dominates("dp", B, D, F, C, W, phase="forward")
+
+
+def test_fsdp_tp_limits_by_hand():
+    B, F, C, W, b = 65536, 53248, 4.6e14, 1.8e11, 2
+    x, y, n = (c.value for c in parallelism.max_devices_fsdp_tp(B, F, C, W))
+    assert x == pytest.approx(2 * B * W / (b * C)) and y == pytest.approx(3 * F * W / (b * C)) and n == x * y
+    bx, by, shared = (c.value for c in parallelism.max_devices_fsdp_tp(B, F, C, W, overlapped=False))
+    assert shared == pytest.approx(n / 4)
+    assert bx * by == pytest.approx(shared)
+    # At the best split the summed communication equals the compute exactly (per D b / W units).
+    assert 3 * F * bx + 2 * B * by == pytest.approx(6 * B * F * W / (b * C))
 
 
 def test_xxl_memory_by_hand():

@@ -119,10 +119,14 @@ def calculate(args) -> list[Calculation]:
             for calc in parallelism.ffn_costs(strategy, args.tokens, args.d_model, args.d_ff, args.devices,
                                               args.flops, args.bandwidth, b, mesh):
                 out.append(Calculation(f"{strategy}: {calc.name}", calc.formula, calc.value, calc.unit, calc.inputs))
-            if strategy != "fsdp-tp":
+            if strategy == "fsdp-tp":
                 for overlapped in (True, False):
+                    out += parallelism.max_devices_fsdp_tp(args.tokens, args.d_ff, args.flops, args.bandwidth, b,
+                                                           overlapped)
+            else:
+                for phase in ("forward", "backward") if strategy != "dp" else ("backward",):
                     out.append(parallelism.max_devices_before_comm_dominates(
-                        strategy, args.tokens, args.d_model, args.d_ff, args.flops, args.bandwidth, b, overlapped))
+                        strategy, args.tokens, args.d_model, args.d_ff, args.flops, args.bandwidth, b, phase))
         return out
     if args.calculator == "memory":
         state = memory.training_state(args.d_model, args.d_ff, args.num_blocks, args.tokens, args.device_gb * 1e9)

@@ -105,16 +105,57 @@ def communication_accounting(doc: Document, r: Results) -> None:
                       "C = 4.6e14 FLOP/s, W = 1.8e11 B/s (`cs336-analyze mesh-batch`):"))
     doc.add(Code("\n".join(str(c) for c in parallelism.compute_bound_batch_fsdp_tp(53248, 4.6e14, 1.8e11, 16, 4, 2,
                                                                                    1))))
-    doc.add(Paragraph("One XXL FFN layer, 65,536 tokens on 64 v5p chips, per strategy (`cs336-analyze ffn`):"))
-    lines = [str(c) for c in parallelism.ffn_flops(65536, 16384, 53248)]
-    for strategy in ("dp", "fsdp", "tp"):
-        lines += [f"{strategy}: {c}" for c in parallelism.ffn_costs(strategy, 65536, 16384, 53248, 64, 4.6e14,
-                                                                      1.8e11)]
-        lines += [str(parallelism.max_devices_before_comm_dominates(strategy, 65536, 16384, 53248, 4.6e14, 1.8e11,
-                                                                    overlapped=o)) for o in (True, False)]
-    lines += [f"fsdp-tp: {c}" for c in parallelism.ffn_costs("fsdp-tp", 65536, 16384, 53248, 64, 4.6e14, 1.8e11,
-                                                            mesh=(16, 4))]
-    doc.add(Code("\n".join(lines)))
     doc.add(Paragraph("To train with a smaller global batch: keep FSDP's axis short and add tensor (or sequence) "
                       "parallelism, overlap each layer's all-gather with the previous layer's compute, communicate "
                       "in bf16, and use activation checkpointing so a smaller per-device batch still fits."))
+
+
+def parallelism_calcs(doc: Document, r: Results) -> None:
+    """data_parallel_calcs, fsdp_calcs, tp_calcs, fsdp_tp_calcs: the handout's FFN (W1, W2: D x F; W3: F x D) in
+    fp16 (b = 2), each answer as the calculator's formula, then the numbers for one example."""
+    B, D, F, N, C, W = 65536, 16384, 53248, 64, 4.6e14, 1.8e11
+    example = (f"For numbers: B = {B:,} tokens, D = {D:,}, F = {F:,} (the XXL dimensions), N = {N}, C = {C:.2g} "
+               f"FLOP/s, W = {W:.2g} B/s (v5p-like illustrative inputs; `cs336-analyze ffn`).")
+    answers = {
+        "dp": ("data_parallel_calcs", "each device runs the whole FFN on B/N tokens; its gradients of the three "
+               "D x F weights are all-reduced after the backward, and the forward communicates nothing."),
+        "fsdp": ("fsdp_calcs", "the work is DP's; the three weights are all-gathered before the forward and again "
+                 "before the backward, whose gradients are reduce-scattered instead of all-reduced."),
+        "tp": ("tp_calcs", "every device sees all B tokens but 1/N of F: the column-parallel W1, W2 need no "
+               "communication, the row-parallel W3 leaves partial sums of y (B x D) to all-reduce, and the backward "
+               "all-reduces dx the same way."),
+    }
+    for strategy, (problem, why) in answers.items():
+        doc.add(Heading(f"{problem}: {strategy.upper()} on the handout's FFN"))
+        flops = parallelism.ffn_flops(B, D, F, devices=N)
+        costs = {c.name: c for c in parallelism.ffn_costs(strategy, B, D, F, N, C, W)}
+        phases = ("backward",) if strategy == "dp" else ("forward", "backward")
+        limits = [parallelism.max_devices_before_comm_dominates(strategy, B, D, F, C, W, phase=p) for p in phases]
+        doc.add(Paragraph(f"(a) FLOPs per device: forward {flops[0].formula}, backward {flops[1].formula} (three "
+                          "matmuls of 2 B D F each, and two products per matmul in the backward, over N devices). "
+                          f"(b) Communication: forward {costs['T_comm_forward'].formula}, backward "
+                          f"{costs['T_comm_backward'].formula}: {why} (c) Bottlenecked once communication outlasts "
+                          "the compute it overlaps; in the large-N limit: " +
+                          "; ".join(f"{c.name.split('_')[-1]}: N <= {c.formula}" for c in limits) + "."))
+        doc.add(Paragraph(example))
+        doc.add(Code("\n".join(str(c) for c in [*flops, *costs.values(), *limits])))
+        if strategy == "tp":
+            doc.add(Paragraph("(a) The backward on device i, from dy (B x D), every product local but the last:"))
+            doc.add(Code("\n".join(parallelism.TP_BACKWARD)))
+    doc.add(Heading("fsdp_tp_calcs: FSDP x TP on the handout's FFN (forward)"))
+    X, Y = 16, 4
+    costs = {c.name: c for c in parallelism.ffn_costs("fsdp-tp", B, D, F, N, C, W, mesh=(X, Y))}
+    overlapped = parallelism.max_devices_fsdp_tp(B, F, C, W)
+    shared = parallelism.max_devices_fsdp_tp(B, F, C, W, overlapped=False)
+    doc.add(Paragraph(f"(a) FLOPs per device: 6 B D F / (N_FSDP N_TP), the work split evenly over the mesh. (b) "
+                      f"Communication, the two axes overlapped: max({costs['T_comm_forward_fsdp_axis'].formula}, "
+                      f"{costs['T_comm_forward_tp_axis'].formula}) with X = N_FSDP and Y = N_TP: the all-gather of a "
+                      "1/Y weight shard over the FSDP axis, and the all-reduce of the (B/X) x D output over the TP "
+                      f"axis. (c) Each axis bounded on its own: N_FSDP <= {overlapped[0].formula} and N_TP <= "
+                      f"{overlapped[1].formula}, so N = N_FSDP N_TP <= {overlapped[2].formula}. (d) Sharing the "
+                      "links, the two times add: 3 F X + 2 B Y <= 6 B F W / (b C); for a given N = X Y the sum is "
+                      "smallest where the two terms are equal (AM-GM), so N <= "
+                      f"{shared[2].formula}, a quarter of (c), at N_FSDP = {shared[0].formula} and N_TP = "
+                      f"{shared[1].formula}."))
+    doc.add(Paragraph(example + f" Mesh {X} x {Y} for (b)."))
+    doc.add(Code("\n".join(str(c) for c in [*costs.values(), *overlapped, *shared])))

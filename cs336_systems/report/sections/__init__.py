@@ -18,6 +18,7 @@ from cs336_systems.report.sections import (
 SECTIONS = (profiling.benchmarking_script, profiling.nsys_profile, profiling.mixed_precision_accumulation,
             profiling.memory_profiling, attention.attention_benchmarks, attention.attention_tuning,
             profiling.torch_compile_model, memory.checkpointing_and_memory_model, distributed.distributed_communication,
+            distributed.alternate_ring_all_reduce,
             distributed.ddp, distributed.sharding_and_fsdp, distributed.parallelism_calcs,
             distributed.communication_accounting,
             kernels.fused_model_path, kernels.fused_cross_entropy, leaderboard.leaderboard,

@@ -42,6 +42,18 @@ def _latency_and_bandwidth(times) -> str:
             f", the large ones run at {large / t_large:.2f} GB/s of tensor.")
 
 
+def alternate_ring_all_reduce(doc: Document, r: Results) -> None:
+    doc.add(Heading("alternate_ring_all_reduce: passing whole tensors around the ring"))
+    n, size, bandwidth = 8, 1e9, 1.8e11
+    ring = collectives.collective_time("all-reduce", size, n, bandwidth)
+    alternate = collectives.collective_time("all-reduce-alternate", size, n, bandwidth)
+    doc.add(Paragraph(f"{alternate.formula}, with V the handout's S: each of the N - 1 steps sends a whole V-byte "
+                      f"tensor at W, where the ring reduce-scatter + all-gather sends chunks of V/N ({ring.formula}): "
+                      f"N/2 times slower. For V = {size / 1e9:g} GB, N = {n}, W = {bandwidth:.2g} B/s "
+                      "(`cs336-analyze collective`):"))
+    doc.add(Code(f"{alternate}\n{ring}"))
+
+
 def ddp(doc: Document, r: Results) -> None:
     frame = r.open_section(doc, "naive_ddp / minimal_ddp_flat / ddp_overlap / ddp_bucketed benchmarking", "ddp",
                            "ddp", "ddp rows")

@@ -88,6 +88,17 @@ def test_triton_matches_reference_small(shape, causal, backward):
     _check_against_reference(_triton_fn(backward), shape, causal, torch.float32, device)
 
 
+# Issue 33's two shapes that exceeded the error budget: 7 causal rows (the first sees one key) and one query row
+# over 64 keys.
+@pytest.mark.parametrize("implementation", ["pytorch", "triton"])
+@pytest.mark.parametrize("shape, causal", [((1, None, 7, 7, 64), True), ((2, None, 1, 64, 16), False)])
+def test_short_rows_within_budget(implementation, shape, causal):
+    if implementation == "pytorch":
+        _check_against_reference(FlashAttentionPytorch.apply, shape, causal, torch.float32, "cpu")
+    else:
+        _check_against_reference(_triton_fn(), shape, causal, torch.float32, kernel_device())
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_backward_matches_two_pass(causal):
     """Same dK/dV maths (bitwise under one config), dQ only reassociated."""

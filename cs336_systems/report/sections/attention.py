@@ -133,15 +133,19 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
         plot_attention_tflops(sweep_rows, r.figures_dir / name)
         doc.add(Figure(f"figures/{name}", "flash_benchmarking sweep: fwd+bwd TFLOP/s (causal FLOPs) against "
                        "sequence length, batch 1, one head, per head dim and dtype. " + environment(ours)))
-        small = sweep_rows[(sweep_rows["seq"] <= 512) & (sweep_rows["pass"] == "fwd-bwd")
-                           & (sweep_rows["metric"] == "time") & (sweep_rows["status"] == "ok")]
+        short = sweep_rows[(sweep_rows["seq"] <= 512) & (sweep_rows["pass"] == "fwd-bwd")
+                           & (sweep_rows["dtype"] == "bf16") & (sweep_rows["status"] == "ok")]
+        small = short[short["metric"] == "time"]
         span = {p: (g["median"].min(), g["median"].max()) for p, g in small.groupby("provider")}
+        kernel = short[(short["metric"] == "kernel_time") & (short["provider"] == "triton")]["median"]
         if "triton" in span and "sdpa-flash" in span:
+            gpu = (f"; the GPU's own time in them is {kernel.min():.2f}-{kernel.max():.2f} ms (kernel_time rows), "
+                   "the rest is the host's" if not kernel.empty else "")
             doc.add(Paragraph(
-                f"At seq <= 512 our fwd+bwd takes {span['triton'][0]:.2f}-{span['triton'][1]:.2f} ms against "
-                f"SDPA-flash's {span['sdpa-flash'][0]:.2f}-{span['sdpa-flash'][1]:.2f} ms: there the time is the "
-                "host's, four Triton launches behind an autograd Function (`scripts/attention_host_overhead.py` "
-                "splits it; notes/flash_attention.md)."))
+                f"At seq <= 512 (bf16) our fwd+bwd takes {span['triton'][0]:.2f}-{span['triton'][1]:.2f} ms against "
+                f"SDPA-flash's {span['sdpa-flash'][0]:.2f}-{span['sdpa-flash'][1]:.2f} ms{gpu}: several Triton "
+                "launches behind an autograd Function (`scripts/attention_host_overhead.py` splits the host time; "
+                "notes/flash_attention.md)."))
     _flash_sweep_fp32(doc, sweep_rows)
     if absent:
         r.missing.append(("flash_benchmarking", f"the flash sweep at {', '.join(absent)} (`FLASH_D=... bash "

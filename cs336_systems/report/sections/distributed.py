@@ -3,6 +3,8 @@ and communication_accounting (calculators)."""
 
 from __future__ import annotations
 
+import pandas as pd
+
 from cs336_systems.analysis import collectives, ddp_overhead, memory, parallelism
 from cs336_systems.config import ModelConfig
 from cs336_systems.report.document import Code, Document, Figure, Heading, Paragraph, Table
@@ -54,19 +56,70 @@ def alternate_ring_all_reduce(doc: Document, r: Results) -> None:
     doc.add(Code(f"{alternate}\n{ring}"))
 
 
+def _ddp_rows(r: Results) -> pd.DataFrame | None:
+    """Step time and exposed communication per configuration of `cs336-bench ddp`, the latest run of each."""
+    frame = r.frame("ddp")
+    if frame.empty:
+        return None
+    rows = latest(frame[frame["metric"].isin(["step_time", "exposed_comm_time"])],
+                  ["metric", "variant", "bucket_mb", "world_size", "preset", "backend", "provider"])
+    wide = rows.pivot_table(index=["backend", "world_size", "preset", "provider", "variant", "bucket_mb"],
+                            columns="metric", values="median", dropna=False).reset_index().dropna(subset=["step_time"])
+    wide["communication %"] = (100 * wide["exposed_comm_time"] / wide["step_time"]).round(1)
+    wide.attrs["environment"] = environment(rows)
+    return wide.rename(columns={"step_time": "step ms", "exposed_comm_time": "exposed communication ms"})
+
+
+def _ddp_section(doc: Document, r: Results, problem: str, title: str, variants: list[str], compare: list[str]):
+    """One DDP problem's heading, its variants' rows against `compare`'s, and a sentence per world size."""
+    doc.add(Heading(f"{problem}: {title}"))
+    wide = _ddp_rows(r)
+    r.missing.append((problem, "xl on 1 node x 2 GPUs with NCCL (one GPU is lent)"))
+    if wide is None:
+        return r.note_missing(doc, problem, "`cs336-bench ddp` rows")
+    shown = wide[wide["variant"].isin(variants + compare)]
+    doc.add(Paragraph("`cs336-bench ddp --variant " + ",".join(variants + compare) + "` on gloo CPU processes (the xl "
+                      "run on 2 GPUs is missing: one GPU is lent); ms per step, exposed communication = the time "
+                      "after the backward spent waiting on gradients, and its share of the step. " +
+                      wide.attrs["environment"]))
+    doc.add(Table(shown.drop(columns=["backend"]).round(2)))
+    sentences = []
+    for world_size, group in shown.groupby("world_size"):
+        by_variant = group.groupby("variant")["step ms"].min()
+        ours = [v for v in variants if v in by_variant]
+        others = [v for v in compare if v in by_variant]
+        if ours and others:
+            best, other = min(ours, key=by_variant.get), min(others, key=by_variant.get)
+            sentences.append(f"{world_size} ranks: {best} {by_variant[best]:.1f} ms per step, {other} "
+                             f"{by_variant[other]:.1f} ms ({best} takes {by_variant[best] / by_variant[other]:.2f}x "
+                             "the time)")
+    if sentences:
+        doc.add(Paragraph("; ".join(sentences) + "."))
+    return shown
+
+
 def ddp(doc: Document, r: Results) -> None:
-    frame = r.open_section(doc, "naive_ddp / minimal_ddp_flat / ddp_overlap / ddp_bucketed benchmarking", "ddp",
-                           "ddp", "ddp rows")
-    if frame is not None:
-        rows = latest(frame[frame["metric"].isin(["step_time", "exposed_comm_time"])],
-                      ["metric", "variant", "bucket_mb", "world_size", "preset", "backend", "provider"])
-        wide = rows.pivot_table(index=["backend", "world_size", "preset", "provider", "variant", "bucket_mb"],
-                                columns="metric", values="median", dropna=False).reset_index().dropna(
-            subset=["step_time"])
-        doc.add(Paragraph("`cs336-bench ddp` (ms per step; exposed communication = time after backward spent "
-                          "waiting on gradients). " + environment(rows)))
-        doc.add(Table(wide.round(2)))
-    r.missing.append(("ddp_bucketed_benchmarking", "xl on 2 GPUs with NCCL (issue 10)"))
+    _ddp_section(doc, r, "naive_ddp_benchmarking", "one all-reduce per parameter after the backward", ["naive"],
+                 [])
+    _ddp_section(doc, r, "minimal_ddp_flat_benchmarking", "one all-reduce of the flattened gradients", ["flat"],
+                 ["naive"])
+    _ddp_section(doc, r, "ddp_overlap_individual_parameters_benchmarking",
+                 "all-reduces started as each gradient is ready", ["overlap"], ["naive", "flat"])
+    shown = _ddp_section(doc, r, "ddp_bucketed_benchmarking", "gradients all-reduced in buckets as they fill",
+                         ["bucketed"], ["overlap", "flat", "torch-ddp"])
+    if shown is not None:
+        buckets = shown[shown["variant"] == "bucketed"].groupby("bucket_mb")["step ms"].median()
+        if not buckets.empty:
+            sizes = {preset: ModelConfig.from_name(preset).parameter_count * 4 / 2**20
+                     for preset in shown["preset"].unique()}
+            one_bucket = all(mb <= min(buckets.index) for mb in sizes.values())
+            doc.add(Paragraph("Step time by bucket size (median over world sizes and presets): " +
+                              ", ".join(f"{size:g} MB: {ms:.1f} ms" for size, ms in buckets.items()) + ". fp32 "
+                              "gradients per preset: " + ", ".join(f"{p} {mb:.2f} MiB" for p, mb in sizes.items()) +
+                              (": one bucket at every size tried, so these rows do not show the bucket count's "
+                               "effect." if one_bucket else ".")))
+            if one_bucket:
+                r.missing.append(("ddp_bucketed_benchmarking", "a sweep whose gradients span several buckets"))
     xl_parameters = ModelConfig.from_name("xl").parameter_count
     s, w, o = xl_parameters * 4, 1e11, 5e-5
     doc.add(Paragraph("The overhead model (`cs336-analyze bucket`): with n_b equal buckets, the last bucket's "

@@ -19,7 +19,8 @@ SECTIONS = (profiling.benchmarking_script, profiling.nsys_profile, profiling.mix
             profiling.memory_profiling, attention.attention_benchmarks, attention.attention_tuning,
             profiling.torch_compile_model, memory.checkpointing_and_memory_model, distributed.distributed_communication,
             distributed.alternate_ring_all_reduce,
-            distributed.ddp, distributed.sharding_and_fsdp, distributed.parallelism_calcs,
+            distributed.ddp, distributed.sharding_and_fsdp, distributed.fsdp_accounting,
+            distributed.parallelism_calcs,
             distributed.communication_accounting,
             kernels.fused_model_path, kernels.fused_cross_entropy, leaderboard.leaderboard,
             implementations.implementations)

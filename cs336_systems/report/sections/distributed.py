@@ -175,6 +175,30 @@ def communication_accounting(doc: Document, r: Results) -> None:
                       "in bf16, and use activation checkpointing so a smaller per-device batch still fits."))
 
 
+def fsdp_accounting(doc: Document, r: Results) -> None:
+    """fsdp_accounting (a) from the memory model; (b) needs two GPUs and Nsight."""
+    from cs336_systems.memory.model import predict
+
+    doc.add(Heading("fsdp_accounting: what FSDP saves at the peak"))
+    devices, batch, context = 2, 4, 512
+    cfg = ModelConfig.from_name("xl", context_length=context)
+    parts = predict(cfg, batch, context, dtype="fp32")
+    gib = 2**30
+    states = (parts.parameters + parts.optimizer_state) * (1 - 1 / devices)
+    everything = states + parts.gradients * (1 - 1 / devices)
+    doc.add(Paragraph(
+        f"(a) xl in fp32 with AdamW, batch {batch}, context {context}, on N = {devices} GPUs (the memory model, "
+        f"`cs336_systems.memory.model.predict`): parameters {parts.parameters / gib:.2f} GiB, gradients "
+        f"{parts.gradients / gib:.2f} GiB, AdamW's two moments {parts.optimizer_state / gib:.2f} GiB, activations "
+        f"{parts.activations / gib:.2f} GiB, predicted peak {parts.peak / gib:.2f} GiB (at the start of the backward, "
+        f"before most gradients exist). FSDP keeps 1/N of parameters, gradients and optimizer state per GPU, so the "
+        f"peak drops by at least {states / gib:.2f} GiB (parameters and moments) and at most {everything / gib:.2f} "
+        f"GiB (with every gradient), to {(parts.peak - everything) / gib:.2f}-{(parts.peak - states) / gib:.2f} GiB, "
+        "ignoring the gathered layer's full weights and the all-gather buffers as the problem allows; the "
+        "activations, each GPU's for its own batch of the same size, are untouched."))
+    r.missing.append(("fsdp_accounting", "(b): xl on 2 GPUs under Nsight, the all-gathers against the forward"))
+
+
 def parallelism_calcs(doc: Document, r: Results) -> None:
     """data_parallel_calcs, fsdp_calcs, tp_calcs, fsdp_tp_calcs: the handout's FFN (W1, W2: D x F; W3: F x D) in
     fp16 (b = 2), each answer as the calculator's formula, then the numbers for one example."""

@@ -25,11 +25,25 @@ def benchmarking_script(doc: Document, r: Results) -> None:
     table = ours_vs_baseline(eager, ["preset", "mode"])
     order = {p: i for i, p in enumerate(["small", "medium", "large", "xl", "10B"])}
     table = table.sort_values(["preset", "mode"], key=lambda s: s.map(order) if s.name == "preset" else s)
+    shown = latest(eager, ["preset", "mode", "provider"])
+    steps = ", ".join(sorted({f"{int(w)} warm-up and {int(n)} timed steps"
+                              for w, n in zip(shown["warmup"], shown["n"])}))
+    batches = ", ".join(sorted({f"batch {int(b)}, context {int(c)}" for b, c in zip(shown["batch"], shown["context"])}))
     doc.add(Paragraph("`cs336-bench model --preset small,medium,large,xl --dtype fp32 --provider ours,baseline` "
-                      "(batch 4, context 512, 3 warm-up and 8 timed steps; `ours` is the cs336_basics model with "
-                      "the staff-equivalent attention and AdamW, `baseline` the PyTorch-native LM with SDPA and "
-                      "fused AdamW). " + environment(eager)))
+                      f"({batches}, {steps}; `ours` is the cs336_basics model with the staff-equivalent attention "
+                      "and AdamW, `baseline` the PyTorch-native LM with SDPA and fused AdamW). " + environment(eager)))
     doc.add(Table(table, "median ± standard deviation over the timed steps, ms"))
+    phases = r.frame("model")
+    phases = phases[(phases["metric"] == "phase_time") & (phases["mode"] == "train-step")]
+    keys = [k for k in ("run_id", "preset", "provider", "dtype", "context", "batch", "compile", "attention",
+                        "checkpoint", "fused", "optimizer") if k in phases.columns and k in shown.columns]
+    phases = phases.merge(shown[shown["mode"] == "train-step"][keys].drop_duplicates(), on=keys)  # the timed rows'
+    if not phases.empty:
+        wide = latest(phases, ["preset", "provider", "phase"]).pivot_table(
+            index=["preset", "provider"], columns="phase", values="median").reset_index()
+        wide = wide.sort_values("preset", key=lambda s: s.map(order))
+        doc.add(Table(wide.round(1), "the training step by phase, mean ms per step over the same timed steps "
+                                     "(forward, loss, backward alone, optimizer)"))
     first = latest(eager[eager["provider"] == "ours"], ["preset", "mode"])
     calls = r.frame("model")
     calls = calls[(calls["metric"] == "first_call_time") & calls["run_id"].isin(first["run_id"])]

@@ -34,20 +34,22 @@ def positive_int(text: str) -> int:
     return value
 
 
-def run_once(pytest_args: list[str], report: Path) -> tuple[int, int, list[str]]:
-    """(exit code, tests passed, ids of tests failed or errored) of one pytest process."""
+def run_once(pytest_args: list[str], report: Path) -> tuple[int, int, list[str], list[str]]:
+    """(exit code, tests passed, ids of tests failed or errored, their messages) of one pytest process."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *pytest_args]
     code = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
     if not report.exists():
-        return code, 0, ["<pytest produced no report>"]
-    passed, failed = 0, []
+        return code, 0, ["<pytest produced no report>"], []
+    passed, failed, messages = 0, [], []
     for case in ElementTree.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if problem is not None:
             failed.append(name)
+            messages.append((problem.get("message") or "")[:500])
         elif case.find("skipped") is None:
             passed += 1
-    return code, passed, failed
+    return code, passed, failed, messages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch, open(args.out, "a") as rows:
         for run in tqdm(range(1, args.runs + 1), desc="runs", unit="run"):
             start = time.monotonic()
-            code, passed, failed = run_once(pytest_args, Path(scratch) / f"run{run}.xml")
+            code, passed, failed, messages = run_once(pytest_args, Path(scratch) / f"run{run}.xml")
             seconds = time.monotonic() - start
             failures.update(failed)
             failed_runs += code != 0
             rows.write(json.dumps(dict(run=run, seconds=round(seconds, 1), exit_code=code, passed=passed,
-                                       failed=failed, pytest_args=pytest_args)) + "\n")
+                                       failed=failed, messages=messages, pytest_args=pytest_args)) + "\n")
             rows.flush()
             tqdm.write(f"run {run}: exit {code}, {passed} passed, {len(failed)} failed in {seconds:.0f} s")
     print(f"{args.runs} runs of `pytest {' '.join(pytest_args)}`: {args.runs - failed_runs} clean, "

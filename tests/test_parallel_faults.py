@@ -100,3 +100,27 @@ def test_a_failing_rank_stops_every_rank_and_is_named(wrapper, fault, phase):
 def test_a_clean_run_raises_nothing():
     """The same training with no fault: every rank finishes, spawn returns."""
     comm.spawn(_train_with_fault, 2, "ddp-bucketed", "none", "forward", timeout_s=TIMEOUT_S)
+
+
+class _Ended:
+    """A rank process as `_first_failure` sees it: ended with this exit code."""
+
+    def __init__(self, exitcode):
+        self.exitcode = exitcode
+
+    def is_alive(self):
+        return self.exitcode is None
+
+
+def test_first_failure_prefers_a_rank_that_failed_on_its_own(tmp_path):
+    """Seen in the same instant: a killed rank against its peer that gloo aborted (SIGABRT), or that raised a
+    closed-connection error; a rank still running while its peer timed out is the one that hung."""
+    now = time.time()
+    assert comm._first_failure([_Ended(-6), _Ended(-9)], str(tmp_path), {0: now, 1: now}) == (
+        "rank1 failed first: was killed by SIGKILL")
+    (tmp_path / "rank0").write_text(f"{now - 1}\nRuntimeError: Connection closed by peer [127.0.0.1]:1234")
+    assert comm._first_failure([_Ended(1), _Ended(0)], str(tmp_path), {0: now, 1: now}) == (
+        "rank1 failed first: exited with code 0 before finishing")
+    (tmp_path / "rank0").write_text(f"{now}\nRuntimeError: Timed out waiting 4000ms for recv operation")
+    assert comm._first_failure([_Ended(1), _Ended(None)], str(tmp_path), {0: now}).startswith(
+        "rank1 failed first: stopped responding (still running when rank0 gave up on it: raised RuntimeError: Timed")

@@ -122,7 +122,9 @@ class _Failure:
 
     @property
     def knock_on(self) -> bool:
-        return bool(_KNOCK_ON.search(self.what))
+        # gloo's own threads abort a rank whose peer vanished mid-collective ("terminate called without an active
+        # exception"): a SIGABRT follows another rank's failure more often than it starts one.
+        return bool(_KNOCK_ON.search(self.what)) or self.what == "was killed by SIGABRT"
 
 
 def _exit_description(exitcode: int) -> str:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import pandas as pd
+
+# One colour per implementation, the same in every figure: matplotlib's 20-colour "tab20", its 10 strong shades for
+# the first ten here, so no two of the attention suite's providers share one. Others take a fixed colour from their
+# name.
+IMPLEMENTATIONS = ("triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "naive", "naive-compiled", "pytorch-flash",
+                   "triton-native", "triton-python", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd",
+                   "triton-compile-bwd", "triton-tf32x3", "ours", "baseline", "torch", "liger")
 
 
 def _pyplot():
@@ -16,6 +24,15 @@ def _pyplot():
     return plt
 
 
+def provider_colour(name: str) -> tuple:
+    """The colour of implementation `name` in every figure."""
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab20"].colors  # pairs: a strong and a light shade of each of 10 hues
+    index = (IMPLEMENTATIONS.index(name) if name in IMPLEMENTATIONS else zlib.crc32(name.encode())) % len(palette)
+    return palette[2 * index % len(palette) + index * 2 // len(palette)]  # the 10 strong shades first
+
+
 def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd-bwd") -> Path:
     """TFLOP/s against sequence length, one line per provider (same colour in every panel), one panel per
     head dim (columns) and dtype (rows)."""
@@ -25,7 +42,7 @@ def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd
     if not dims:
         raise ValueError(f"plot_attention_tflops: no ok TFLOP/s rows for pass {pass_name!r}")
     providers = sorted(set(rows["provider"]))
-    colours = dict(zip(providers, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 2))
+    colours = {p: provider_colour(p) for p in providers}
     fig, axes = plt.subplots(len(dtypes), len(dims), figsize=(4.2 * len(dims), 3.4 * len(dtypes) + 0.6),
                              squeeze=False)
     for i, dtype in enumerate(dtypes):
@@ -41,6 +58,7 @@ def plot_attention_tflops(frame: pd.DataFrame, path: Path, pass_name: str = "fwd
                 ax.plot(line["seq"], line["median"], "--" if provider.startswith("sdpa") else "-", marker="o",
                         ms=3, color=colours[provider], label=provider)
             ax.set_xscale("log", base=2)
+            ax.set_yscale("log")  # short sequences run at a thousandth of long ones' rate: on a linear axis they vanish
             ax.set_title(f"d={d}, {dtype}, {pass_name}", fontsize=9)
             ax.set_xlabel("sequence length")
             ax.set_ylabel("TFLOP/s (causal FLOPs)")

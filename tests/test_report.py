@@ -228,3 +228,10 @@ def test_document_renders_for_a_reader():
     assert "<code>cs336-bench</code>" in page and "`" not in page
     assert "2048" in markdown and "2048.0" not in markdown and "nan" not in markdown.lower()
     assert "provider" not in page and "NaN" not in page
+
+
+def test_each_implementation_keeps_one_colour():
+    from cs336_systems.plots import IMPLEMENTATIONS, provider_colour
+
+    assert len({provider_colour(p) for p in IMPLEMENTATIONS}) == len(IMPLEMENTATIONS)
+    assert provider_colour("triton") == provider_colour("triton") and provider_colour("someone-new")

@@ -45,22 +45,33 @@ def checkpointing_and_memory_model(doc: Document, r: Results) -> None:
         return r.note_missing(doc, "memory", "`cs336-bench memory search` rows (GPU)")
     peaks = latest(peaks, ["preset", "context", "batch", "dtype", "policy"])
     times = latest(mem[mem["metric"] == "step_time"], ["preset", "context", "batch", "dtype", "policy"])
+    stored = latest(mem[mem["metric"] == "predicted_peak_memory"], ["preset", "context", "batch", "dtype", "policy"])
     table = []
     for _, row in peaks.iterrows():
         cfg = ModelConfig.from_name(row["preset"], context_length=int(row["context"]))
         predicted = predict(cfg, int(row["batch"]), int(row["context"]), policy=row["policy"]).peak / 2**30
         t = times[(times["policy"] == row["policy"]) & (times["context"] == row["context"])]
         measured = row["median"] if row["status"] == "ok" else None
+        then = stored[(stored["policy"] == row["policy"]) & (stored["context"] == row["context"])]
         table.append({"context": int(row["context"]), "policy": row["policy"],
                       "measured peak GiB": round(measured, 2) if measured else row["status"],
+                      "predicted at the run GiB": round(then["median"].iloc[0], 2) if len(then) else "",
                       "predicted GiB": round(predicted, 2),
                       "error": f"{100 * (predicted / measured - 1):+.1f} %" if measured else "-",
                       "step ms": round(t["median"].iloc[0]) if len(t) else "-"})
     doc.add(Paragraph("`cs336-bench memory search --preset xl --context 2048 --batch 4` (fp32, reference "
                       "attention, one checkpointing level over group sizes k) and none/every-block at context 512; "
-                      "the prediction is the analytic memory model of this commit (`cs336_systems.memory.model."
-                      "predict`), walking the backward pass. " + environment(peaks)))
+                      "\"predicted GiB\" is the analytic memory model of this commit (`cs336_systems.memory.model."
+                      "predict`), walking the backward pass; \"predicted at the run\" is the one the run stored. " +
+                      environment(peaks)))
     doc.add(Table(pd.DataFrame(table)))
+    revised = [(t["predicted at the run GiB"] / t["measured peak GiB"] - 1) * 100 for t in table
+               if t["predicted at the run GiB"] != "" and isinstance(t["measured peak GiB"], float)
+               and t["predicted at the run GiB"] != t["predicted GiB"]]
+    if revised:
+        doc.add(Paragraph(f"The model has changed since these runs: the predictions they stored were off by "
+                          f"{min(revised):+.1f} % to {max(revised):+.1f} % of the measured peaks, so the error "
+                          "column, today's model against the same measurements, is not an out-of-sample test."))
     ok = [t for t in table if t["error"] != "-" and not t["policy"].startswith("nested")]
     if ok:
         worst = max(abs(float(t["error"].split()[0])) for t in ok)

@@ -181,17 +181,25 @@ def torch_compile_model(doc: Document, r: Results) -> None:
         return r.note_missing(doc, "torch_compile", "compiled model rows (GPU)")
     eager = model[model["compile"] == False]  # noqa: E712
     keys = ["preset", "dtype", "mode", "provider"]
-    both = latest(comp, keys).merge(latest(eager, keys)[keys + ["median"]], on=keys, suffixes=("", "_eager"))
+    compiled = latest(comp, keys)
+    # Eager from the compiled row's own run where that run measured it; else the latest eager row, marked.
+    same = compiled.merge(latest(eager, keys + ["run_id"])[keys + ["run_id", "median"]], on=keys + ["run_id"],
+                          suffixes=("", "_eager"))
+    apart = compiled[~compiled.set_index(keys).index.isin(same.set_index(keys).index)].merge(
+        latest(eager, keys)[keys + ["median"]], on=keys, suffixes=("", "_eager"))
+    both = pd.concat([same.assign(eager_run="same"), apart.assign(eager_run="another")], ignore_index=True)
     both = both.assign(**{"eager ms": both["median_eager"].round(1), "compiled ms": both["median"].round(1),
-                          "speed-up": (both["median_eager"] / both["median"]).round(2)})
+                          "speed-up": (both["median_eager"] / both["median"]).round(2),
+                          "eager from": both["eager_run"] + " run"})
     scope = ", ".join(sorted(set(col(comp, "compile_scope", "model").fillna("model"))))
     doc.add(Paragraph(f"`cs336-bench model --compile on --compile-scope block` (compile scope: {scope}; each "
                       "Transformer block compiled on its own, so large models compile in seconds; ours and the "
-                      "baseline compiled the same way). " + environment(comp)))
+                      "baseline compiled the same way). Compiled: " + environment(compiled) + " Eager: " +
+                      environment(latest(eager, keys))))
     order = {p: i for i, p in enumerate(["small", "medium", "large", "xl"])}
     both = both.sort_values(["dtype", "provider", "preset", "mode"],
                             key=lambda s: s.map(order) if s.name == "preset" else s)
-    doc.add(Table(both[keys + ["eager ms", "compiled ms", "speed-up"]]))
+    doc.add(Table(both[keys + ["eager ms", "compiled ms", "speed-up", "eager from"]]))
     step = both[both["mode"] == "train-step"]
     ours = step[step["provider"] == "ours"]
     if not ours.empty:

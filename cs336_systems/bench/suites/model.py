@@ -304,7 +304,7 @@ def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStor
     print(format_table(summary.head(20).round(4)))
     for row in summary.head(40).itertuples():
         store.add(provider=harness.case.provider,
-                  config=config | {"mode": mode, "range": row.range, "kernel": row.kernel[:120],
+                  config=config | {"mode": mode, "range": row.range, "kernel": row.kernel,
                                    "calls_per_step": row.calls_per_step, "share": round(row.share, 5)},
                   metric="profile_kernel_time", unit="ms", value=row.total_ms / args.steps)
 

@@ -70,7 +70,10 @@ def nsys_profile(doc: Document, r: Results) -> None:
     prof = model[model["metric"] == "profile_kernel_time"] if not model.empty else model
     if prof.empty:
         return r.note_missing(doc, "nsys_profile", "a --profile run (GPU)")
-    prof = latest(prof, ["preset", "dtype", "mode", "range", "kernel"])
+    # Every row of the newest profiled run: kernels are told apart by their rows (older runs stored names cut at
+    # 120 characters, so a dedup on the name would merge different kernels).
+    newest = prof.sort_values("timestamp")["run_id"].iloc[-1]
+    prof = prof[prof["run_id"] == newest]
     doc.add(Paragraph("`cs336-bench model --preset xl --mode train-step --dtype bf16 --profile` (torch.profiler "
                       "over the timed steps, CUDA kernels grouped by our NVTX/record ranges; the Nsight Systems "
                       "command lines are in the README, Nsight itself is not on the lent machine). "

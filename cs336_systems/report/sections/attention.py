@@ -98,9 +98,6 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
         best = tf.sort_values("median").iloc[-1]
         doc.add(Paragraph(f"Forward peak at d 128, bf16: {best['median']:.0f} TFLOP/s (causal FLOPs) at batch "
                           f"{best['batch']}, {best['heads']} heads, seq {best['seq']}."))
-    path = r.copy_figure("attention_tflops.png")
-    if path:
-        doc.add(Figure(path, "TFLOP/s against sequence length per implementation"))
     mem = latest(att[att["metric"] == "peak_allocated"], ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
     mem = mem[(mem["pass"] == "fwd-bwd") & (mem["heads"] == 1) & (mem["d"] == 128) & (mem["dtype"] == "bf16")]
     if not mem.empty:

@@ -19,9 +19,12 @@ def distributed_communication(doc: Document, r: Results) -> None:
         wide = t.pivot_table(index=["backend", "op", "size_mb"], columns="world_size", values="median").reset_index()
         doc.add(Paragraph("`cs336-bench collectives` (fp32 tensors, median ms). " + environment(t)))
         doc.add(Table(wide.round(2), "median ms per collective, columns: world size"))
-        path = r.copy_figure("collectives_cpu_gloo.png")
-        if path:
-            doc.add(Figure(path, "time and bus bandwidth against size (gloo on CPU processes)"))
+        from cs336_systems.plots import plot_collectives
+
+        drawn = latest(coll[coll["metric"].isin(["time", "busbw"])],
+                       ["op", "size_mb", "world_size", "backend", "dtype", "metric"])
+        plot_collectives(drawn, r.figures_dir / "collectives.png")
+        doc.add(Figure("figures/collectives.png", "time and bus bandwidth against size, drawn from the rows above"))
         doc.add(Paragraph(_latency_and_bandwidth(t) + " More ranks than cores oversubscribe the machine, so these "
                           "are not GPU figures."))
     r.missing.append(("distributed_communication_single_node", "NCCL on 2/4/6 GPUs (issue 9: no multi-GPU machine)"))

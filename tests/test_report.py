@@ -140,7 +140,7 @@ def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
         for provider, wall in (("triton", ours), ("sdpa-cudnn", 0.5)):
             rows += _attention_rows(provider, wall, **shape)
     text = _report_from(tmp_path, "attention", rows)
-    table = text[text.index("*forward + backward*"):].split("\n\n")[1]
+    table = text[text.index("*forward + backward: ours against SDPA, median ms*"):].split("\n\n")[1]
     assert " 0.25 " in table and " 2 " in table  # ours (bf16) and cuDNN / ours = 2.0
     assert "2.125" not in table  # the mean of bf16's 0.25 and fp32's 4.0
 

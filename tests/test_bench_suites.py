@@ -61,6 +61,13 @@ def test_parallel_suites_two_ranks(tmp_path, suite, extra, metrics):
         params = [r["median"] for r in rows if r["metric"] == "bytes_parameters"][0]
         assert state["adamw"] == pytest.approx(2 * params, rel=1e-3)  # m and v (plus a step scalar each)
         assert state["zero1-sharded-adamw"] < 0.8 * state["adamw"]
+        held = {(r["config"]["optimizer"], r["metric"]): r["median"] for r in rows
+                if r["metric"].startswith("bytes_held")}
+        for optimizer in ("adamw", "zero1-sharded-adamw"):  # state appears at the first step; gradients by then
+            assert held[(optimizer, "bytes_held_after_init")] == pytest.approx(params, rel=1e-3)
+            assert held[(optimizer, "bytes_held_after_step")] >= held[(optimizer, "bytes_held_before_step")]
+        assert (held[("adamw", "bytes_held_after_step")] - held[("zero1-sharded-adamw", "bytes_held_after_step")]
+                == pytest.approx(state["adamw"] - state["zero1-sharded-adamw"], rel=1e-3))
 
 
 def test_collectives_rejects_bad_sizes():

@@ -2,8 +2,9 @@
 
 Handout problem: optimizer_state_sharding_accounting. Bytes of parameters, gradients and optimizer state held
 per rank (counted from the tensors themselves) and of activations (what one forward saves for backward,
-SavedTensorLog); CUDA peaks after init / before / after the optimizer step; time per step; with AdamW
-unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
+SavedTensorLog); at three points, after init / before / after the optimizer step, the bytes the model's
+state holds (parameters, gradients and optimizer state, counted on any device) and, on CUDA, the allocator's
+peak; time per step; with AdamW unsharded and with our ZeRO-1 ShardedOptimizer (both under bucketed DDP).
 
     cs336-bench sharding --preset small --world-size 2
 """
@@ -40,6 +41,12 @@ def _optimizer_state_bytes(opt) -> int:
     return _tensor_bytes(v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
 
 
+def _held_bytes(model, opt) -> int:
+    """What the training state holds right now: parameters, gradients and optimizer state."""
+    return (_tensor_bytes([*model.parameters(), *(p.grad for p in model.parameters())])
+            + _optimizer_state_bytes(opt))
+
+
 def run(args) -> int:
     return harness.launch(_sharding_rank, args)
 
@@ -55,10 +62,11 @@ def _sharding_rank(args) -> None:
             model = make_ddp(harness.rank_model(cfg, device), "bucketed", bucket_size_mb=25.0)
             opt = (ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4) if sharded
                    else torch.optim.AdamW(model.parameters(), lr=1e-4))
-            peaks = {}
+            peaks, held = {}, {"after_init": _held_bytes(model, opt)}
             if device.type == "cuda":
                 peaks["after_init"] = torch.cuda.max_memory_allocated(device)
-            samples, _ = harness.measure_steps(_sharding_step(model, opt, peaks, x, y, device), [], args, device)
+            samples, _ = harness.measure_steps(_sharding_step(model, opt, peaks, held, x, y, device), [], args,
+                                               device)
             with SavedTensorLog(model.module) as saved:  # what one forward keeps for backward
                 activations_probe = cross_entropy(model(x), y)
             del activations_probe
@@ -66,13 +74,15 @@ def _sharding_rank(args) -> None:
                          "gradients": _tensor_bytes(p.grad for p in model.parameters()),
                          "optimizer_state": _optimizer_state_bytes(opt),
                          "activations": saved.total_bytes}
-            cuda_peaks = [peaks.get(k, float("nan")) for k in ("after_init", "before_step", "after_step")]
-            per_rank = harness.gather_samples(list(breakdown.values()) + cuda_peaks)
+            points = ("after_init", "before_step", "after_step")
+            cuda_peaks = [peaks.get(k, float("nan")) for k in points]
+            per_rank = harness.gather_samples(list(breakdown.values()) + cuda_peaks + [held[k] for k in points])
             times = harness.gather_samples(samples)
             if store:
                 store.add(provider="ours", config=config, metric="step_time", unit="ms",
                           stats=harness.slowest_rank_stats(times, args.warmup))
-                names = list(breakdown) + ["peak_after_init", "peak_before_step", "peak_after_step"]
+                names = (list(breakdown) + [f"peak_{point}" for point in points]
+                         + [f"held_{point}" for point in points])
                 for i, name in enumerate(names):
                     value = max(r[i] for r in per_rank)
                     if value == value:  # not NaN (CUDA peaks only)
@@ -84,18 +94,21 @@ def _sharding_rank(args) -> None:
             model = opt = None
     harness.print_report(store, args, ["preset", "world_size", "optimizer"],
             metrics=("step_time", "bytes_parameters", "bytes_gradients", "bytes_optimizer_state", "bytes_activations",
-                     "bytes_peak_after_init", "bytes_peak_before_step", "bytes_peak_after_step"))
+                     "bytes_peak_after_init", "bytes_peak_before_step", "bytes_peak_after_step",
+                     "bytes_held_after_init", "bytes_held_before_step", "bytes_held_after_step"))
 
 
-def _sharding_step(model, opt, peaks, x, y, device):
+def _sharding_step(model, opt, peaks, held, x, y, device):
     def step():
         opt.zero_grad(set_to_none=True)
         cross_entropy(model(x), y).backward()
         model.finish_gradient_synchronization()
+        held["before_step"] = _held_bytes(model, opt)
         if device.type == "cuda":
             harness.synchronize(device)
             peaks["before_step"] = torch.cuda.max_memory_allocated(device)
         opt.step()
+        held["after_step"] = _held_bytes(model, opt)
         if device.type == "cuda":
             harness.synchronize(device)
             peaks["after_step"] = torch.cuda.max_memory_allocated(device)

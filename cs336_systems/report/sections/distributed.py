@@ -141,6 +141,24 @@ def sharding_and_fsdp(doc: Document, r: Results) -> None:
                                 values="median").reset_index()
         doc.add(Paragraph("`cs336-bench sharding` (bytes per rank in MiB, step ms). " + environment(rows)))
         doc.add(Table(wide.round(2)))
+        state = wide.set_index(["backend", "world_size", "preset", "optimizer"]).get("bytes_optimizer_state")
+        if state is not None:
+            claims = []
+            for (backend, n, preset), group in state.groupby(level=[0, 1, 2]):
+                by = group.droplevel([0, 1, 2])
+                if {"adamw", "zero1-sharded-adamw"} <= set(by.index):
+                    claims.append(f"{preset} on {n} ranks ({backend}): AdamW state {by['adamw']:.1f} MiB per rank "
+                                  f"unsharded, {by['zero1-sharded-adamw']:.1f} MiB sharded "
+                                  f"({by['zero1-sharded-adamw'] / by['adamw']:.2f} of it; ZeRO-1 claims 1/{n})")
+            if claims:
+                held = ("the state held at each point (columns bytes_held_*: after init, before and after the step) "
+                        "falls by that much after the first step" if "bytes_held_after_step" in wide else
+                        "what a rank holds falls by that much, not by a factor of N (these rows predate the "
+                        "bytes_held_* points: after init, before and after the step)")
+                doc.add(Paragraph("Against ZeRO-1's claim that each rank keeps 1/N of the optimizer state: "
+                                  + "; ".join(claims) + ". Sharding goes parameter by parameter (the largest "
+                                  "rank's share is shown), and parameters and gradients stay whole on every rank, so "
+                                  + held + "."))
     fsdp = r.frame("fsdp")
     if not fsdp.empty:
         rows = latest(fsdp[fsdp["metric"] == "step_time"], ["provider", "provider_kind", "compute_dtype",

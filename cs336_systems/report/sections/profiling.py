@@ -145,7 +145,6 @@ def memory_profiling(doc: Document, r: Results) -> None:
                           "dominate at context 128."))
         ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == 2048)]
         if not ooms.empty:
-            from cs336_systems.config import ModelConfig
             from cs336_systems.memory.model import predict
 
             cases = sorted({f"{d} {m}" for d, m in zip(ooms["dtype"], ooms["mode"])})
@@ -168,7 +167,18 @@ def memory_profiling(doc: Document, r: Results) -> None:
         doc.add(Table(totals[["preset", "context", "batch", "dtype", "part", "compile", "median"]]
                       .rename(columns={"median": "saved GiB"}).round(4),
                       "saved for backward (parameters excluded). " + environment(totals)))
-    d, ctx, batch = 2560, 2048, 4
+        ops = latest(saved[saved["what"] == "op"], ["preset", "context", "part", "compile", "dtype", "op"])
+        block = ops[(ops["part"] == "block") & (ops["compile"] == False)]  # noqa: E712
+        for (preset, context, dtype), group in block.groupby(["preset", "context", "dtype"]):
+            top = group.sort_values("median", ascending=False).head(5)
+            doc.add(Table(pd.DataFrame({"op": top["op"], "tensors": top["tensors"],
+                                        "saved GiB": top["median"].round(4),
+                                        "share of the block": (100 * top["share"]).round(1).astype(str) + " %"}),
+                          f"(f) the 5 ops whose outputs one TransformerBlock saves most of ({preset}, context "
+                          f"{int(context)}, {dtype}): {100 * top['share'].sum():.1f} % of the block's saved "
+                          "bytes"))
+    cfg = ModelConfig.from_name("xl")
+    d, ctx, batch = cfg.d_model, 2048, 4
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
                       f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
                       f"({batch * 128 * d * 4 / 2**20:.0f} MiB at 128)."))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.config import ModelConfig
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import (
     Results,

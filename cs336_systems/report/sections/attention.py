@@ -222,9 +222,27 @@ def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None
         oom = rows[(rows["provider"] == "naive") & (rows["status"] == "oom")]
         fits = ("none ran out of memory" if oom.empty else
                 f"out of memory from seq {int(oom['seq'].min())} ({len(oom)} rows)")
-        doc.add(Paragraph(f"Memory before the backward grows with seq^2 (the saved (batch, seq, seq) scores and "
-                          f"softmax): {top['median']:.1f} GiB at seq {int(top['seq'])}, d {int(top['d'])}; "
+        doc.add(Paragraph(f"Memory before the backward grows with seq^2 (the (batch, seq, seq) tensors saved for the "
+                          f"backward): {top['median']:.1f} GiB at seq {int(top['seq'])}, d {int(top['d'])}; "
                           f"{fits}."))
+        # The accounting (cs336_basics' attention, the handout's): three (B, N, N) fp32 tensors are saved for the
+        # backward (the scores, which amax keeps; exp(scores - max), the division's numerator; the weights, which
+        # the P V product keeps), beside Q, K, V and O, (B, N, d) each.
+        batch = 8
+        widest = mem[mem["d"] == mem["d"].max()].sort_values("seq")
+        inputs = 4 * batch * widest["seq"] * widest["d"] * 4
+        expected = (3 * batch * widest["seq"] ** 2 * 4 + inputs) / 2**30
+        doc.add(Table(pd.DataFrame({"seq": widest["seq"].astype(int), "d": widest["d"].astype(int),
+                                    "measured GiB": widest["median"].round(3),
+                                    "3 B N^2 4 + 4 B N d 4 bytes, GiB": expected.round(3),
+                                    "measured / expected": (widest["median"] / expected).round(2)}),
+                      "accounting for the memory before the backward (naive attention, fp32, batch 8): the scores, "
+                      "exp(scores - max) and the weights, each (B, N, N), saved for the backward; Q, K, V, O"))
+        last = widest.iloc[-1]
+        count = (last["median"] * 2**30 - inputs.iloc[-1]) / (batch * last["seq"] ** 2 * 4)
+        doc.add(Paragraph(f"At seq {int(last['seq'])} the measured memory is {count:.2f} (B, N, N) fp32 tensors "
+                          "beyond the inputs and output: the N^2 terms are all of it at long sequences, and "
+                          "FlashAttention keeps none of them (it saves L, one value per row)."))
 
 
 def attention_tuning(doc: Document, r: Results) -> None:

@@ -102,8 +102,10 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
     except BaseException as error:
         # When and why this rank failed: the parent reports the first failure, the cause, not a peer's
         # "connection closed" that followed it.
-        with open(os.path.join(status_dir, f"rank{rank}"), "w") as f:
+        record = os.path.join(status_dir, f"rank{rank}")
+        with open(record + ".partial", "w") as f:
             f.write(f"{time.time()}\n{type(error).__name__}: {error}")
+        os.replace(record + ".partial", record)  # whole or absent: the parent may read it at any moment
         raise
     finally:
         teardown()

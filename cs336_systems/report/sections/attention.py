@@ -246,10 +246,10 @@ def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None
 
 
 def attention_tuning(doc: Document, r: Results) -> None:
-    doc.add(Heading("FlashAttention tile configs and the one-pass backward"))
-    tune = r.frame("attention-tune")
-    if tune.empty:
-        return r.note_missing(doc, "attention tuning", "`cs336-bench attention-tune` rows (GPU)")
+    tune = r.open_section(doc, "FlashAttention tile configs and the one-pass backward", "attention-tune",
+                          "attention tuning", "`cs336-bench attention-tune` rows (GPU)")
+    if tune is None:
+        return
     shape = ["batch", "heads", "seq", "d"]
     times = latest(tune[tune["metric"] == "time"], ["provider", *shape, "kernel", "block_m", "block_n",
                                                     "num_warps", "num_stages"])

@@ -121,6 +121,11 @@ def test_first_failure_prefers_a_rank_that_failed_on_its_own(tmp_path):
     (tmp_path / "rank0").write_text(f"{now - 1}\nRuntimeError: Connection closed by peer [127.0.0.1]:1234")
     assert comm._first_failure([_Ended(1), _Ended(0)], str(tmp_path), {0: now, 1: now}) == (
         "rank1 failed first: exited with code 0 before finishing")
+    (tmp_path / "rank0").write_text(f"{now - 1}\nRuntimeError: Connection closed by peer [127.0.0.1]:1234")
+    (tmp_path / "rank1").write_text(f"{now}\nSystemExit: 1")  # then aborted in gloo's teardown
+    assert comm._first_failure([_Ended(1), _Ended(-6)], str(tmp_path), {0: now, 1: now}) == (
+        "rank1 failed first: exited with code 1 (the process then was killed by SIGABRT)")
+    (tmp_path / "rank1").unlink()
     (tmp_path / "rank0").write_text(f"{now}\nRuntimeError: Timed out waiting 4000ms for recv operation")
     assert comm._first_failure([_Ended(1), _Ended(None)], str(tmp_path), {0: now}).startswith(
         "rank1 failed first: stopped responding (still running when rank0 gave up on it: raised RuntimeError: Timed")

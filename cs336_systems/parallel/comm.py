@@ -148,10 +148,10 @@ def _first_failure(procs: list, status_dir: str, exited: dict[int, float]) -> st
             with open(record) as f:
                 when, message = f.read().split("\n", 1)
             if message.startswith("SystemExit"):  # sys.exit(code) inside fn: say the code it asked for
-                code = message.partition(": ")[2] or "0"
-                code = "0" if code == "None" else code
-                message = f"exited with code {code}" + (" before finishing" if code == "0" else "")
-                if rank in exited and str(proc.exitcode) != code:  # gloo's teardown can abort it afterwards
+                asked = message.partition(": ")[2]
+                code = 0 if asked in ("", "None") else int(asked) % 256 if asked.lstrip("-").isdigit() else 1
+                message = _exit_description(code)
+                if rank in exited and proc.exitcode != code:  # gloo's teardown can abort it afterwards
                     message += f" (the process then {_exit_description(proc.exitcode)})"
             else:
                 message = f"raised {message}"

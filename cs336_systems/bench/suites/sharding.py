@@ -103,12 +103,14 @@ def _sharding_step(model, opt, peaks, held, x, y, device):
         opt.zero_grad(set_to_none=True)
         cross_entropy(model(x), y).backward()
         model.finish_gradient_synchronization()
-        held["before_step"] = _held_bytes(model, opt)
+        if "before_step" not in held:  # the same every step: counted once (a warm-up step), not in the timing
+            held["before_step"] = _held_bytes(model, opt)
         if device.type == "cuda":
             harness.synchronize(device)
             peaks["before_step"] = torch.cuda.max_memory_allocated(device)
         opt.step()
-        held["after_step"] = _held_bytes(model, opt)
+        if "after_step" not in held:
+            held["after_step"] = _held_bytes(model, opt)
         if device.type == "cuda":
             harness.synchronize(device)
             peaks["after_step"] = torch.cuda.max_memory_allocated(device)

@@ -73,10 +73,11 @@ def _ddp_rows(r: Results) -> pd.DataFrame | None:
     return wide.rename(columns={"step_time": "step ms", "exposed_comm_time": "exposed communication ms"})
 
 
-def _ddp_section(doc: Document, r: Results, problem: str, title: str, variants: list[str], compare: list[str]):
-    """One DDP problem's heading, its variants' rows against `compare`'s, and a sentence per world size."""
+def _ddp_section(doc: Document, r: Results, wide: pd.DataFrame | None, problem: str, title: str,
+                 variants: list[str], compare: list[str]):
+    """One DDP problem's heading, its variants' rows (`_ddp_rows`) against `compare`'s, and a sentence per world
+    size."""
     doc.add(Heading(f"{problem}: {title}"))
-    wide = _ddp_rows(r)
     r.missing.append((problem, "xl on 1 node x 2 GPUs with NCCL (one GPU is lent)"))
     if wide is None:
         return r.note_missing(doc, problem, "`cs336-bench ddp` rows")
@@ -102,13 +103,14 @@ def _ddp_section(doc: Document, r: Results, problem: str, title: str, variants: 
 
 
 def ddp(doc: Document, r: Results) -> None:
-    _ddp_section(doc, r, "naive_ddp_benchmarking", "one all-reduce per parameter after the backward", ["naive"],
-                 [])
-    _ddp_section(doc, r, "minimal_ddp_flat_benchmarking", "one all-reduce of the flattened gradients", ["flat"],
-                 ["naive"])
-    _ddp_section(doc, r, "ddp_overlap_individual_parameters_benchmarking",
+    wide = _ddp_rows(r)
+    _ddp_section(doc, r, wide, "naive_ddp_benchmarking", "one all-reduce per parameter after the backward",
+                 ["naive"], [])
+    _ddp_section(doc, r, wide, "minimal_ddp_flat_benchmarking", "one all-reduce of the flattened gradients",
+                 ["flat"], ["naive"])
+    _ddp_section(doc, r, wide, "ddp_overlap_individual_parameters_benchmarking",
                  "all-reduces started as each gradient is ready", ["overlap"], ["naive", "flat"])
-    shown = _ddp_section(doc, r, "ddp_bucketed_benchmarking", "gradients all-reduced in buckets as they fill",
+    shown = _ddp_section(doc, r, wide, "ddp_bucketed_benchmarking", "gradients all-reduced in buckets as they fill",
                          ["bucketed"], ["overlap", "flat", "torch-ddp"])
     if shown is not None:
         buckets = shown[shown["variant"] == "bucketed"].groupby("bucket_mb")["step ms"].median()

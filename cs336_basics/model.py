@@ -49,7 +49,11 @@ class Embedding(nn.Module):
         # Checked where it is free: on the CPU. A GPU check would wait for the device every step; there
         # F.embedding's bounds check stops the run with a device-side assert instead (indexing would wrap -1
         # to the last row, silently).
-        if token_ids.device.type == "cpu" and token_ids.numel():
+        if token_ids.device.type == "cpu" and token_ids.numel() and torch.compiler.is_compiling():
+            # (under torch.compile a branch on the ids' values would break the graph: an assert op instead)
+            torch._assert_async(((token_ids >= 0) & (token_ids < vocab_size)).all(),
+                                f"Embedding: token ids must lie in [0, {vocab_size})")
+        elif token_ids.device.type == "cpu" and token_ids.numel():
             low, high = int(token_ids.min()), int(token_ids.max())
             if low < 0 or high >= vocab_size:
                 raise ValueError(f"Embedding: token ids must lie in [0, {vocab_size}), got ids from {low} to {high}")

@@ -52,9 +52,12 @@ def is_causal_mask(mask: torch.Tensor, n_queries: int, n_keys: int) -> bool:
     return torch.equal(mask.reshape(n_queries, n_keys), _lower_triangle(n_queries, n_keys, mask.device))
 
 
-def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor], name: str
-           ) -> AttentionFn:
-    @torch.compiler.disable  # our kernels run eagerly; torch.compile handles the ops around them
+def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor], name: str,
+           traceable: bool) -> AttentionFn:
+    """traceable: torch.compile traces the call (our Triton attention is a registered operator with fake and
+    autograd rules: no graph break, dynamic shapes); else it runs eagerly between graphs (the tiled PyTorch
+    class, whose Python loops over tiles would unroll into the graph)."""
+
     def attention(Q, K, V, mask=None, is_causal=False):
         if mask is not None:
             if is_causal_mask(mask, Q.shape[-2], K.shape[-2]):
@@ -67,7 +70,7 @@ def _flash(kernel_call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool
 
     attention.causal_without_mask = True
     attention.__name__ = f"{name.replace('-', '_')}_attention"
-    return attention
+    return attention if traceable else torch.compiler.disable(attention)
 
 
 @functools.cache
@@ -77,14 +80,16 @@ def _triton(backward: str) -> AttentionFn:
         raise ModuleNotFoundError(missing_triton_message(f"attention {name!r}"), name="triton")
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name)
+    return _flash(lambda q, k, v, causal: flash_attention(q, k, v, causal, backward=backward), name,
+                  traceable=True)
 
 
 @functools.cache
 def _pytorch_flash() -> AttentionFn:
     from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch
 
-    return _flash(lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal), "pytorch-flash")
+    return _flash(lambda q, k, v, causal: FlashAttentionPytorch.apply(q, k, v, causal), "pytorch-flash",
+                  traceable=False)
 
 
 @functools.cache

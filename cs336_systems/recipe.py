@@ -28,6 +28,7 @@ from cs336_systems.memory.checkpointing import apply_checkpointing
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 
 COMPILE_SCOPES = ("off", "model", "block")
+COMPILE_MODES = ("default", "reduce-overhead")
 OPTIMIZERS = ("cs336", "fused")
 
 
@@ -40,6 +41,7 @@ class Recipe:
     fused_rope: bool = False  # our Triton RoPE too (needs `fused`)
     checkpoint: CheckpointPolicy = NO_CHECKPOINTING
     compile: str = "off"  # off, model (torch.compile of the whole model) or block (each block, in place)
+    compile_mode: str = "default"  # torch.compile's mode: default, or reduce-overhead (replayed as CUDA graphs)
     param_dtype: torch.dtype | None = None  # None: the model's default, fp32
     optimizer: str = "cs336"  # cs336 (cs336_basics' AdamW) or fused (our FusedAdamW)
     optimizer_maths: str = "cs336"  # FusedAdamW's update: cs336 (as cs336_basics) or torch (as torch.optim)
@@ -49,6 +51,9 @@ class Recipe:
     def __post_init__(self):
         if self.compile not in COMPILE_SCOPES:
             raise ValueError(f"Recipe: compile must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"Recipe: compile_mode must be one of {', '.join(COMPILE_MODES)}, "
+                             f"got {self.compile_mode!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"Recipe: optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.attention not in attention_names():
@@ -72,13 +77,13 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
     apply_checkpointing(model, recipe.checkpoint)
     if recipe.compile == "block":
         for block in model.layers:
-            block.compile()  # in place; identical blocks share one compiled graph
+            block.compile(mode=recipe.compile_mode)  # in place; identical blocks share one compiled graph
     return model
 
 
 def forward_of(model: nn.Module, recipe: Recipe) -> nn.Module:
     """What to call for the model's forward: torch.compile of the whole model where compile is "model"."""
-    return torch.compile(model) if recipe.compile == "model" else model
+    return torch.compile(model, mode=recipe.compile_mode) if recipe.compile == "model" else model
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:

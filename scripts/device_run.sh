@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -295,6 +295,28 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
         --rep-ms 30000 --results-dir "$R" 2>&1 | tail -8
       python3 -m cs336_systems.bench leaderboard --provider ours --warmup-ms 2000 --rep-ms 30000 \
         --results-dir "$R" 2>&1 | tail -6
+      ;;
+    model-sizes)
+      # Issue 32: our operators and compiled model on the GPU, then ours (triton attention, fused kernels, fused
+      # AdamW) against the PyTorch-native baseline at every size and context, eager, train step, bf16 autocast,
+      # and one profile of each at small/512 (kernel rows per phase).
+      CS336_AUTOTUNE=0 python3 -m pytest -q -p no:cacheprovider tests/test_operators.py \
+        tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_kernels_adamw.py \
+        tests/test_attention_registry.py > "$OUT/tests_operators.log" 2>&1
+      tail -3 "$OUT/tests_operators.log"
+      python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 128,512,2048 --dtype bf16 \
+        --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
+        --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -28
+      python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 --provider ours,baseline \
+        --attention triton --fused --optimizer fused --mode train-step --profile --warmup 3 --steps 5 \
+        --no-progress --results-dir "$R" > "$OUT/profile_small.log" 2>&1
+      ;;
+    model-sizes-compiled)
+      # The same sweep compiled (each block: xl compiles in seconds) and replayed as CUDA graphs.
+      python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 128,512,2048 --dtype bf16 \
+        --compile ${MODEL_COMPILE:-on,reduce-overhead} --compile-scope block --provider ours,baseline \
+        --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
+        --results-dir "$R" 2>&1 | tail -52
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \

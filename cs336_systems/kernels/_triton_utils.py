@@ -39,6 +39,32 @@ def check_kernel_device(name: str, *tensors: torch.Tensor) -> None:
         )
 
 
+def check_operator_device(name: str, *tensors: torch.Tensor) -> None:
+    """Our model operators run on one CUDA or CPU device: the Triton kernel on CUDA (and on CPU under the
+    interpreter), their reference maths in torch on the CPU otherwise; say so for anything else."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name}: inputs must be on a CUDA or CPU device, got {device}")
+
+
+def runs_kernel(t: torch.Tensor) -> bool:
+    """Whether an operator runs its Triton kernel on `t` (CUDA, or CPU under TRITON_INTERPRET=1) rather than
+    its reference maths in torch (CPU): so users without a GPU, and CI, run the same model graph."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+
+
+def compiling() -> bool:
+    """True while torch.compile traces. Our public functions call their registered operator then, so the graph
+    holds one opaque op with its fake and autograd rules (no graph break, dynamic shapes); eager calls take the
+    autograd Function and launcher directly, because an operator's eager dispatch costs about 15 us of host time
+    per call (measured on CPU), as much as a small kernel's launch. (Under a torch dispatch mode, such as selective
+    checkpointing, the Function path stays: its saved tensors then match between forward and recompute.)"""
+    return torch.compiler.is_compiling()
+
+
 def autotune_enabled() -> bool:
     """CS336_AUTOTUNE=0 takes the first fitting config instead of timing them all (fast cold
     starts for tests); the default tunes, over deliberately small spaces."""

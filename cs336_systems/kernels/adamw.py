@@ -15,7 +15,7 @@ Two launch schemes (`multi_tensor`):
   (zero_grad(set_to_none) gives new gradient tensors), one small host-to-device copy. A model
   with hundreds of small tensors then costs one launch, not hundreds.
 * per tensor: the same kernel launched once per parameter (for comparison and tests).
-Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same update in torch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import check_operator_device, runs_kernel
 
 MATHS = ("cs336", "torch")
 BLOCK = 1024
@@ -105,7 +105,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     continue
                 if not (p.is_contiguous() and p.grad.is_contiguous()):
                     raise ValueError("FusedAdamW: parameters and gradients must be contiguous")
-                check_kernel_device("FusedAdamW", p, p.grad)
+                check_operator_device("FusedAdamW", p, p.grad)
                 state = self.state[p]
                 if not state:
                     state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
@@ -124,6 +124,19 @@ class FusedAdamW(torch.optim.Optimizer):
                 for p in live:
                     self._launch([p], group, self.state[p]["t"])
         return loss
+
+    def _update_eagerly(self, params, group, t: int) -> None:
+        """The kernel's update in torch, fp32 in between (the CPU without Triton's interpreter)."""
+        decay, beta1, beta2, eps, step_size, bias2_sqrt = self._scalars(group, t)
+        for p in params:
+            state = self.state[p]
+            g = p.grad.float()
+            m = state["m"].float().mul_(beta1).add_(g, alpha=1 - beta1)
+            v = state["v"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denominator = v.sqrt().div_(bias2_sqrt).add_(eps) if self.maths == "torch" else v.sqrt().add_(eps)
+            p.copy_(p.float().mul_(decay).addcdiv_(m, denominator, value=-step_size))
+            state["m"].copy_(m)
+            state["v"].copy_(v)
 
     def _scalars(self, group, t: int):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -151,6 +164,9 @@ class FusedAdamW(torch.optim.Optimizer):
         return self._tables_cache[key]
 
     def _launch(self, params, group, t: int) -> None:
+        if not runs_kernel(params[0]):
+            self._update_eagerly(params, group, t)
+            return
         sizes, block_tensor, block_start, p_addr, m_addr, v_addr = self._tables(params)
         if not block_tensor.numel():
             return

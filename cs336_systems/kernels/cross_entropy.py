@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from cs336_systems.kernels._triton_utils import interpreting
+from cs336_systems.kernels._triton_utils import compiling, interpreting
 
 REDUCTIONS = ("mean", "sum")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,39 +146,79 @@ def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
         acc += (a @ b).to(acc.dtype)
 
 
+def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int,
+                        need_hidden: bool, need_weight: bool):
+    """(loss, dLoss/dhidden as (n, d) or None, dLoss/dweight in fp32 (fp64 for fp64) or None), chunk by chunk."""
+    h2d = hidden.reshape(-1, hidden.shape[-1])  # (n, d)
+    t1d = targets.reshape(-1)  # (n,)
+    valid = t1d != ignore_index
+    count = int(valid.sum()) if reduction == "mean" else 1
+    scale = 1.0 / max(count, 1)
+    acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 softmax for 16-bit inputs; fp64 stays
+    loss = torch.zeros((), device=hidden.device, dtype=acc)
+    grad_h = torch.empty_like(h2d) if need_hidden else None
+    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_weight else None
+    kernel = _uses_kernel(hidden)
+    for start in range(0, h2d.shape[0], chunk_tokens):
+        h = h2d[start:start + chunk_tokens]  # (c, d)
+        t = t1d[start:start + chunk_tokens]
+        logits = h @ weight.T  # (c, vocab) in the input dtype: the only vocab-wide tensor, one chunk at a time
+        if kernel:
+            losses = _softmax_xent_grad_(logits, t, ignore_index, scale)
+            grad_logits = logits  # overwritten in place
+        else:
+            losses, probs = _softmax_xent_grad_eager(logits, t, valid[start:start + chunk_tokens], scale, acc)
+            grad_logits = probs.to(h.dtype)
+        loss += losses.sum()
+        if grad_h is not None:
+            torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
+        if grad_w is not None:
+            _accumulate_product_(grad_w, grad_logits.T, h)
+    return loss * scale, grad_h, grad_w
+
+
+# The registered operator: what torch.compile and dispatch modes see (`compiling`). It returns the gradients it
+# formed on the way (the whole point of the fusion); its autograd rule only scales them.
+@torch.library.custom_op("cs336::lm_head_cross_entropy", mutates_args=())
+def lm_head_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                             reduction: str, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, grad_h, grad_w = _loss_and_gradients(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
+                                               True, True)
+    return loss, grad_h.view(hidden.shape), grad_w
+
+
+@lm_head_cross_entropy_op.register_fake
+def _(hidden, weight, targets, ignore_index, reduction, chunk_tokens):
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.new_empty((), dtype=acc), torch.empty_like(hidden, memory_format=torch.contiguous_format),
+            weight.new_empty(weight.shape, dtype=acc))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.weight_dtype = inputs[1].dtype
+
+
+def _op_backward(ctx, grad_loss, _grad_h, _grad_w):
+    grad_h, grad_w = ctx.saved_tensors
+    return grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None
+
+
+lm_head_cross_entropy_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 class LMHeadCrossEntropyFunction(torch.autograd.Function):
+    """The eager path: gradients formed only for the inputs that need them, without the operator's dispatch."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int):
-        h2d = hidden.reshape(-1, hidden.shape[-1])  # (n, d)
-        t1d = targets.reshape(-1)  # (n,)
-        valid = t1d != ignore_index
-        count = int(valid.sum()) if reduction == "mean" else 1
-        scale = 1.0 / max(count, 1)
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 softmax for 16-bit inputs; fp64 stays
-        loss = torch.zeros((), device=hidden.device, dtype=acc)
-        grad_h = torch.empty_like(h2d) if hidden.requires_grad else None
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if weight.requires_grad else None
-        kernel = _uses_kernel(hidden)
-        for start in range(0, h2d.shape[0], chunk_tokens):
-            h = h2d[start:start + chunk_tokens]  # (c, d)
-            t = t1d[start:start + chunk_tokens]
-            logits = h @ weight.T  # (c, vocab) in the input dtype: the only vocab-wide tensor, one chunk at a time
-            if kernel:
-                losses = _softmax_xent_grad_(logits, t, ignore_index, scale)
-                grad_logits = logits  # overwritten in place
-            else:
-                losses, probs = _softmax_xent_grad_eager(logits, t, valid[start:start + chunk_tokens], scale, acc)
-                grad_logits = probs.to(h.dtype)
-            loss += losses.sum()
-            if grad_h is not None:
-                torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
-            if grad_w is not None:
-                _accumulate_product_(grad_w, grad_logits.T, h)
+        loss, grad_h, grad_w = _loss_and_gradients(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
+                                                   hidden.requires_grad, weight.requires_grad)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         ctx.has = (grad_h is not None, grad_w is not None)
-        return loss * scale
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -193,4 +233,6 @@ def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           ) -> torch.Tensor:
     """cross_entropy(hidden @ weight^T, targets) without the full logits. hidden (..., d), weight (vocab, d)."""
     _validate(hidden, weight, targets, reduction, chunk_tokens)
+    if compiling():
+        return lm_head_cross_entropy_op(hidden, weight, targets, ignore_index, reduction, chunk_tokens)[0]
     return LMHeadCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, chunk_tokens)

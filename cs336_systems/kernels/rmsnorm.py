@@ -12,7 +12,11 @@ Layout: one program per row (rows = all leading dims), the whole row in register
     x_hat = x * rstd,   g = dy * w,   dx = rstd * (g - x_hat * mean(g * x_hat)),
 and dw = sum over rows of dy * x_hat, accumulated per program in fp32 over a strided set of
 rows into a (programs, d) buffer that one torch sum reduces (deterministic, no atomics).
-Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
+
+Layers: reference; kernels; launchers (`_forward`, `_backward`: kernel or CPU maths); the registered operators
+`cs336::rmsnorm` / `cs336::rmsnorm_backward` (fake and autograd rules: what torch.compile traces); the eager
+autograd Function; `rmsnorm`, which validates and picks the operator (compiling) or the Function (eager).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
 
 MAX_D = 16384
 DW_PROGRAMS = 256  # partial dW rows: enough programs to fill 132 SMs twice, small enough to reduce cheaply
@@ -94,39 +98,102 @@ def _num_warps(block_d: int) -> int:
     return min(16, max(1, block_d // 256))
 
 
+def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of contiguous rows: the kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+    if not runs_kernel(x2d):
+        acc = torch.promote_types(x2d.dtype, torch.float32)
+        rstd = torch.rsqrt(x2d.to(acc).pow(2).mean(-1) + eps)
+        return (x2d.to(acc) * rstd[:, None] * weight.to(acc)).to(x2d.dtype), rstd.to(torch.float32)
+    forward_kernel, _ = _kernels()
+    y = torch.empty_like(x2d)
+    rstd = torch.empty(x2d.shape[0], device=x2d.device, dtype=torch.float32)
+    block_d = _block_d(x2d.shape[1])
+    if x2d.shape[0]:
+        forward_kernel[(x2d.shape[0],)](x2d, weight, y, rstd, x2d.shape[1], eps, BLOCK_D=block_d,
+                                        num_warps=_num_warps(block_d))
+    return y, rstd
+
+
+def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw in weight's dtype) of contiguous rows."""
+    rows, d = x2d.shape
+    if not runs_kernel(x2d):
+        acc = torch.promote_types(x2d.dtype, torch.float32)
+        x_hat = x2d.to(acc) * rstd.to(acc)[:, None]
+        g = grad_y2d.to(acc) * weight.to(acc)
+        dx = rstd.to(acc)[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        return dx.to(x2d.dtype), (grad_y2d.to(acc) * x_hat).sum(0).to(weight.dtype)
+    _, backward_kernel = _kernels()
+    dx = torch.empty_like(x2d)
+    programs = max(1, min(DW_PROGRAMS, rows))
+    dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
+    block_d = _block_d(d)
+    if rows:
+        backward_kernel[(programs,)](x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d, BLOCK_D=block_d,
+                                     num_warps=_num_warps(block_d))
+    else:
+        dw_partial.zero_()
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
+# The registered operators: what torch.compile and dispatch modes see (`compiling`). The forward returns rstd too,
+# so the backward operator reuses it; rows are flattened inside, so one graph serves every leading shape.
+@torch.library.custom_op("cs336::rmsnorm", mutates_args=())
+def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+@rmsnorm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::rmsnorm_backward", mutates_args=())
+def rmsnorm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
+    dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
+                       rstd.reshape(-1).contiguous())
+    return dx.view(x.shape), dw
+
+
+@rmsnorm_backward_op.register_fake
+def _(grad_y, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _op_backward(ctx, grad_y, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rmsnorm_backward_op(grad_y, x, weight, rstd)
+    return dx, dw, None
+
+
+rmsnorm_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 class RMSNormFunction(torch.autograd.Function):
+    """The eager path: the same launchers as the operators, without their dispatch cost."""
+
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        forward_kernel, _ = _kernels()
-        d = x.shape[-1]
-        x2d = x.reshape(-1, d).contiguous()  # (rows, d)
-        y = torch.empty_like(x2d)
-        rstd = torch.empty(x2d.shape[0], device=x.device, dtype=torch.float32)
-        block_d = _block_d(d)
-        if x2d.shape[0]:
-            forward_kernel[(x2d.shape[0],)](x2d, weight, y, rstd, d, eps, BLOCK_D=block_d,
-                                            num_warps=_num_warps(block_d))
+        x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (rows, d)
+        y, rstd = _forward(x2d, weight, eps)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, grad_y):
-        _, backward_kernel = _kernels()
         x2d, weight, rstd = ctx.saved_tensors
-        rows, d = x2d.shape
-        dy = grad_y.reshape(rows, d).contiguous()
-        dx = torch.empty_like(x2d)
-        programs = max(1, min(DW_PROGRAMS, rows))
-        dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
-        block_d = _block_d(d)
-        if rows:
-            backward_kernel[(programs,)](x2d, weight, dy, rstd, dx, dw_partial, rows, d, BLOCK_D=block_d,
-                                         num_warps=_num_warps(block_d))
-        else:
-            dw_partial.zero_()
-        dw = dw_partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx.view(ctx.x_shape), dw, None
+        dx, dw = _backward(grad_y.reshape(x2d.shape).contiguous(), x2d, weight, rstd)
+        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -139,5 +206,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.T
         raise TypeError(f"rmsnorm: x must be float32, bfloat16 or float16, got {x.dtype}")
     if eps <= 0:
         raise ValueError(f"rmsnorm: eps must be positive, got {eps}")
-    check_kernel_device("rmsnorm", x, weight)
+    check_operator_device("rmsnorm", x, weight)
+    if compiling():
+        return rmsnorm_op(x, weight, eps)[0]
     return RMSNormFunction.apply(x, weight.contiguous(), eps)

@@ -15,7 +15,9 @@ the same strided view, and the gradient flows back through the views without cop
 takes BLOCK_S positions of one batch row and walks the heads; when every head shares the
 positions (the model's case: positions broadcast over heads) cos and sin are loaded once for all
 heads. Rows are loaded whole (one vectorised load) and split into their pairs in registers.
-Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
+Layers as rmsnorm.py's: reference, kernel, launcher (`_rotate`), the operator `cs336::rope` (its own
+backward, by -t), the eager Function, `rope`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import functools
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
 
 TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
 
@@ -86,13 +88,25 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
 
 
+def _output_like(x: torch.Tensor) -> torch.Tensor:
+    """The output buffer: x's layout when x is dense with a unit stride along dim (the model's strided head view:
+    attention then reads the same view, and gradients flow back without copies), else contiguous."""
+    if x.stride(-1) != 1 or x.dim() > 4:  # beyond 4-D the (batch, heads) merge must be a view of out too
+        return torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    return torch.empty_like(x)
+
+
 def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
-    """Rotate x by the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads)."""
+    """Rotate x by sign x the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads): the
+    kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+    out = _output_like(x)
+    if not runs_kernel(x):
+        cos_sin = torch.stack((cache[0], sign * cache[1]))
+        return out.copy_(rope_reference(x.to(torch.promote_types(x.dtype, cache.dtype)), pos, cos_sin))
     import triton
 
-    if x.stride(-1) != 1 or x.dim() > 4:  # beyond 4-D the (batch, heads) merge must be a view of out too
+    if x.stride(-1) != 1 or x.dim() > 4:
         x = x.contiguous()
-    out = torch.empty_like(x)  # x's layout when x is dense (the model's strided head view), else contiguous
     x4, out4 = _as_4d(x), _as_4d(out)
     pos4 = _as_4d(pos[..., None])[..., 0]
     batch, heads, seq, dim = x4.shape
@@ -106,7 +120,35 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     return out
 
 
+# The registered operator: what torch.compile and dispatch modes see (`compiling`). Its backward is itself, by
+# the opposite angle.
+@torch.library.custom_op("cs336::rope", mutates_args=())
+def rope_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
+    return _rotate(x, pos, cache.contiguous(), sign)
+
+
+@rope_op.register_fake
+def _(x, pos, cache, sign):
+    return _output_like(x)
+
+
+def _setup_context(ctx, inputs, output):
+    _, pos, cache, sign = inputs
+    ctx.save_for_backward(pos, cache)
+    ctx.sign = sign
+
+
+def _op_backward(ctx, grad_out):
+    pos, cache = ctx.saved_tensors
+    return rope_op(grad_out, pos, cache, -ctx.sign), None, None, None
+
+
+rope_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 class RoPEFunction(torch.autograd.Function):
+    """The eager path: the same launcher as the operator, without its dispatch cost."""
+
     @staticmethod
     def forward(ctx, x, pos, cache):
         ctx.save_for_backward(pos, cache)
@@ -126,7 +168,7 @@ def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.T
                          f"(even), got {tuple(cache.shape)}")
     if pos_ids.dtype.is_floating_point:
         raise TypeError(f"rope: pos_ids must be integers, got {pos_ids.dtype}")
-    check_kernel_device("rope", x, pos_ids, cache)
+    check_operator_device("rope", x, pos_ids, cache)
     # One position per (.., seq) row, as a broadcast view: no copy, and stride 0 over the heads.
     pos = torch.broadcast_to(pos_ids.to(torch.int64), x.shape[:-1])
     if pos_ids.numel():
@@ -134,4 +176,6 @@ def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.T
         # would raise an index error instead of reading past the cache.
         torch._assert_async(((pos_ids >= 0) & (pos_ids < cache.shape[1])).all(),
                             f"rope: positions must be in [0, {cache.shape[1]})")
+    if compiling():
+        return rope_op(x, pos, cache, 1.0)
     return RoPEFunction.apply(x, pos, cache.contiguous())

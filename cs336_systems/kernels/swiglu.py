@@ -8,7 +8,9 @@ sigmoid(a), silu(a) and b: four (tokens, d_ff) tensors beside the product that w
 fused Function saves only a and b and recomputes sigmoid in backward:
     s = sigmoid(a),  da = dy * b * s * (1 + a * (1 - s)),  db = dy * a * s.
 Elementwise over the flattened tensors, fp32 in registers, results in the inputs' dtype.
-Runs under TRITON_INTERPRET=1 on CPU tensors for the tests.
+Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
+Layers as rmsnorm.py's: reference, kernels, launchers, the operators `cs336::silu_mul(_backward)`, the eager
+Function, `silu_mul`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
 
 BLOCK = 1024
 
@@ -58,26 +60,78 @@ def _grid(n: int):
     return ((n + BLOCK - 1) // BLOCK,)
 
 
+def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b of contiguous a, b: the kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+    if not runs_kernel(a):
+        acc = torch.promote_types(a.dtype, torch.float32)
+        return silu_mul_reference(a.to(acc), b.to(acc)).to(a.dtype)
+    forward_kernel, _ = _kernels()
+    y = torch.empty_like(a)
+    if a.numel():
+        forward_kernel[_grid(a.numel())](a, b, y, a.numel(), BLOCK=BLOCK)
+    return y
+
+
+def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of contiguous tensors."""
+    if not runs_kernel(a):
+        acc = torch.promote_types(a.dtype, torch.float32)
+        af, bf, dy = a.to(acc), b.to(acc), grad_y.to(acc)
+        s = torch.sigmoid(af)
+        return (dy * bf * s * (1 + af * (1 - s))).to(a.dtype), (dy * af * s).to(b.dtype)
+    _, backward_kernel = _kernels()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    if a.numel():
+        backward_kernel[_grid(a.numel())](a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
+    return da, db
+
+
+# The registered operators: what torch.compile and dispatch modes see (`compiling`).
+@torch.library.custom_op("cs336::silu_mul", mutates_args=())
+def silu_mul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _forward(a.contiguous(), b.contiguous())
+
+
+@silu_mul_op.register_fake
+def _(a, b):
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("cs336::silu_mul_backward", mutates_args=())
+def silu_mul_backward_op(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(grad_y.contiguous(), a.contiguous(), b.contiguous())
+
+
+@silu_mul_backward_op.register_fake
+def _(grad_y, a, b):
+    return (torch.empty_like(a, memory_format=torch.contiguous_format),
+            torch.empty_like(b, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _op_backward(ctx, grad_y):
+    return silu_mul_backward_op(grad_y, *ctx.saved_tensors)
+
+
+silu_mul_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 class SiluMulFunction(torch.autograd.Function):
+    """The eager path: the same launchers as the operators, without their dispatch cost."""
+
     @staticmethod
     def forward(ctx, a, b):
-        forward_kernel, _ = _kernels()
         a, b = a.contiguous(), b.contiguous()
-        y = torch.empty_like(a)
-        if a.numel():
-            forward_kernel[_grid(a.numel())](a, b, y, a.numel(), BLOCK=BLOCK)
         ctx.save_for_backward(a, b)
-        return y
+        return _forward(a, b)
 
     @staticmethod
     def backward(ctx, grad_y):
-        _, backward_kernel = _kernels()
-        a, b = ctx.saved_tensors
-        dy = grad_y.contiguous()
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        if a.numel():
-            backward_kernel[_grid(a.numel())](a, b, dy, da, db, a.numel(), BLOCK=BLOCK)
-        return da, db
+        return _backward(grad_y.contiguous(), *ctx.saved_tensors)
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -86,5 +140,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_mul: a and b must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype or not a.dtype.is_floating_point:
         raise TypeError(f"silu_mul: a and b must share one floating dtype, got {a.dtype} and {b.dtype}")
-    check_kernel_device("silu_mul", a, b)
+    check_operator_device("silu_mul", a, b)
+    if compiling():
+        return silu_mul_op(a, b)
     return SiluMulFunction.apply(a, b)

@@ -36,6 +36,7 @@ from cs336_systems.results import ResultStore, format_table, pivot_table
 MODES = ("forward", "forward-backward", "train-step")
 PROVIDERS = ("ours", "baseline")
 PHASES = ("forward", "loss", "backward", "optimizer")
+COMPILE_CHOICES = ("off", "on", "reduce-overhead")
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,9 @@ class ModelCase:
     provider: str
     attention: str
     checkpoint: CheckpointPolicy = NO_CHECKPOINTING
-    fused: bool = False  # our Triton RMSNorm + SwiGLU gate (ours only)
+    fused: bool = False  # our Triton RMSNorm, SwiGLU gate and RoPE (ours only)
     compile_scope: str = "model"  # with compile: the whole model or each block
+    compile_mode: str = "-"  # with compile: torch.compile's mode, "default" or "reduce-overhead" (CUDA graphs)
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
 
     def model_config(self, overrides: dict) -> ModelConfig:
@@ -65,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=common.positive_int("--batch"), default=4, help="batch size (default 4)")
     parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=["fp32"],
                         help="fp32, bf16, fp16 (autocast), comma-separated (default fp32)")
-    parser.add_argument("--compile", type=common.list_of(str, ("off", "on"), "--compile"), default=["off"],
-                        help="torch.compile the model: off, on, or off,on (default off)")
+    parser.add_argument("--compile", type=common.list_of(str, COMPILE_CHOICES, "--compile"), default=["off"],
+                        help="torch.compile the model: off, on, reduce-overhead (compiled, and replayed as CUDA "
+                             "graphs: no host time between kernels), comma-separated (default off)")
     parser.add_argument("--compile-scope", choices=["model", "block"], default="model",
                         help="what --compile on compiles: the whole model (default, as the handout) or each "
                              "Transformer block on its own (regional: one block's graph, reused by all, so large "
@@ -82,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sqrt, nested, ffn, attn; +keep-attn on every-block/every-k/partial/sqrt keeps the "
                              "attention outputs (default none; the baseline is never checkpointed)")
     parser.add_argument("--fused", action="store_true",
-                        help="install our Triton RMSNorm and SwiGLU gate on our model (CUDA, or TRITON_INTERPRET=1)")
+                        help="install our Triton RMSNorm, SwiGLU gate and RoPE on our model (their torch maths on "
+                             "the CPU)")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
                         help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
     parser.add_argument("--warmup", type=common.positive_int("--warmup", 0), default=5,
@@ -117,9 +121,11 @@ def cases(args) -> list[ModelCase]:
         attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
         policy = args.checkpoint if provider == "ours" else NO_CHECKPOINTING
         ours = provider == "ours"
-        out.append(ModelCase(preset, ctx, args.batch, dtype, comp == "on", provider, attention, policy,
+        compiled = comp != "off"
+        out.append(ModelCase(preset, ctx, args.batch, dtype, compiled, provider, attention, policy,
                              fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
-                             compile_scope=args.compile_scope if comp == "on" else "-"))
+                             compile_scope=args.compile_scope if compiled else "-",
+                             compile_mode=("default" if comp == "on" else comp) if compiled else "-"))
     return out
 
 
@@ -128,9 +134,16 @@ class _Harness:
 
     def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device):
         self.case, self.cfg, self.device = case, cfg, device
+        if case.compile:
+            # Each compiled configuration starts from an empty dynamo cache: its first call then carries its own
+            # compile, and a sweep never reaches dynamo's recompile limit (past it, calls run eagerly, silently).
+            torch._dynamo.reset()
         if case.provider == "ours":
-            self.recipe = Recipe(attention=case.attention, fused=case.fused, checkpoint=case.checkpoint,
-                                 compile=case.compile_scope if case.compile else "off", optimizer=case.optimizer)
+            self.recipe = Recipe(attention=case.attention, fused=case.fused, fused_rope=case.fused,
+                                 checkpoint=case.checkpoint,
+                                 compile=case.compile_scope if case.compile else "off",
+                                 compile_mode=case.compile_mode if case.compile else "default",
+                                 optimizer=case.optimizer)
             self.model = build_model(cfg, self.recipe, device)
             self.optimizer = build_optimizer(self.model, self.recipe)
             self.forward_model = forward_of(self.model, self.recipe)
@@ -142,9 +155,9 @@ class _Harness:
             self.forward_model = self.model
             if case.compile and case.compile_scope == "block":
                 for block in self.model.blocks:
-                    block.compile()  # in place; identical blocks share one compiled graph
+                    block.compile(mode=case.compile_mode)  # in place; identical blocks share one compiled graph
             elif case.compile:
-                self.forward_model = torch.compile(self.model)
+                self.forward_model = torch.compile(self.model, mode=case.compile_mode)
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
         self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
 
@@ -153,12 +166,18 @@ class _Harness:
 
     def step_fn(self, mode: str, phase):
         autocast = common.autocast_context(self.device, self.case.dtype)
+        # CUDA graphs (reduce-overhead) reuse their output buffers from one replay to the next: each step says
+        # where it begins, so a step's outputs are never read after the next step overwrote them.
+        graphs = self.case.compile_mode == "reduce-overhead"
+        begin_step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
 
         def forward():
+            begin_step()
             with torch.no_grad(), autocast, phase("forward"):
                 self.forward_model(self.x)
 
         def forward_backward():
+            begin_step()
             with autocast:
                 with phase("forward"):
                     logits = self.forward_model(self.x)
@@ -345,9 +364,10 @@ def _print_table(store: ResultStore, args) -> None:
     frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
-    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "provider", "attention",
-                         "checkpoint", "fused", "optimizer", "mode") if c in frame.columns]
-    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope") if c in frame.columns})
+    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "provider",
+                         "attention", "checkpoint", "fused", "optimizer", "mode") if c in frame.columns]
+    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode")
+                          if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]
     if not spread.empty:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import check_operator_device, interpreting, runs_kernel
 from cs336_systems.kernels.flash_attention import (
     gluon_common,
     hopper_backward,
@@ -50,7 +50,11 @@ from cs336_systems.kernels.flash_attention.launches import (
 from cs336_systems.kernels.flash_attention.precision import (
     dot_precision,
 )
-from cs336_systems.kernels.flash_attention.reference import check_attention_inputs
+from cs336_systems.kernels.flash_attention.reference import (
+    check_attention_inputs,
+    flash_backward_tiled,
+    flash_forward_tiled,
+)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = {torch.float16: 256, torch.bfloat16: 256, torch.float32: 128}
@@ -91,8 +95,8 @@ def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     if q.shape[-1] > MAX_HEAD_DIM[q.dtype]:
         raise ValueError(f"flash attention: head dim {q.shape[-1]} is too large for {q.dtype}; "
                          f"at most {MAX_HEAD_DIM[q.dtype]}")
-    check_kernel_device("flash attention", q, k, v)
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    check_operator_device("flash attention", q, k, v)
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and interpreting():
         raise ValueError("flash attention: bfloat16 on the CPU runs under Triton's interpreter, whose tl.dot "
                          "gives wrong bf16 products (Triton 3.6); use float32 or float16 there, or a CUDA device")
 
@@ -157,6 +161,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         if plan is not None:  # (its signature passed validation when the plan was made)
             return plan(q, k, v)
     validate_attention_inputs(q, k, v)
+    if not runs_kernel(q):  # the CPU without Triton's interpreter: the same maths in torch, in one tile
+        return flash_forward_tiled(q, k, v, is_causal, max(1, q.shape[-2]), max(1, k.shape[-2]))
     launch, out, lse = forward_launch(q, k, v, is_causal)
     if not planned:
         launch()
@@ -353,6 +359,8 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: Backwa
         plan = launch_plan.lookup(key)
         if plan is not None:
             return plan(q, k, v, out, lse, grad_out)
+    if not runs_kernel(q):  # the CPU without Triton's interpreter: the same maths in torch, in one tile
+        return flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal, max(1, q.shape[-2]), max(1, k.shape[-2]))
     choice = choose_backward(q, k, v, grad_out, options)
     launches, buffers = _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice)
     launches = [launch for launch in launches if launch is not None]

@@ -1,5 +1,7 @@
-"""Our Triton FlashAttention-2 as PyTorch sees it: `flash_attention`, the autograd Function, and the forward as
-a registered operator. Which kernels a call runs, and how, is dispatch.py's; native_launch.py replays repeat
+"""Our Triton FlashAttention-2 as PyTorch sees it: `flash_attention`, the autograd Function, and the registered
+operators `cs336::flash_attention_forward` / `cs336::flash_attention_backward` (fake and autograd rules: what
+torch.compile traces, with dynamic shapes and no graph break). Which kernels a call runs, and how, is
+dispatch.py's (on the CPU without Triton's interpreter: the reference maths); native_launch.py replays repeat
 calls from C++.
 """
 
@@ -19,27 +21,63 @@ from cs336_systems.kernels.flash_attention.precision import (
 
 
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
-def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward as a registered operator, (O, L): under a dispatch mode or torch.compile the autograd
-    Function calls it (`_attention_forward`), so selective checkpointing (`every-block+keep-attn`) sees one
-    op per attention call and saves its outputs instead of recomputing them."""
+def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                               backward: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as a registered operator, (O, L), differentiable through `flash_attention_backward_op` with the
+    `backward` implementation (one of `dispatch.BACKWARD_IMPLS`). torch.compile traces it (`flash_attention`
+    calls it while tracing), and selective checkpointing (`every-block+keep-attn`) sees one op per attention
+    call and saves its outputs instead of recomputing them."""
     return dispatch.flash_forward(q, k, v, is_causal)
 
 
 @flash_attention_forward_op.register_fake
-def _(q, k, v, is_causal):
+def _(q, k, v, is_causal, backward="triton"):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _attention_forward(q, k, v, is_causal: bool):
-    """The forward through the registered op where something above the dispatcher needs to see it (a torch
-    dispatch mode: selective checkpointing, fake tensors; torch.compile's tracing), else the launcher
+@torch.library.custom_op("cs336::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                lse: torch.Tensor, grad_out: torch.Tensor, is_causal: bool,
+                                backward: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of the forward's (O, L) and dO, by the `backward` implementation."""
+    return _attention_backward(q, k, v, out, lse, grad_out, is_causal, backward, dot_precision(q.dtype))
+
+
+@flash_attention_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, is_causal, backward="triton"):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, backward = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.is_causal, ctx.backward_impl = is_causal, backward
+
+
+def _op_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*flash_attention_backward_op(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.backward_impl),
+            None, None)
+
+
+flash_attention_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _attention_forward(q, k, v, is_causal: bool, backward: str):
+    """The forward through the registered op where something above the dispatcher needs to see it (a
+    torch dispatch mode such as selective checkpointing or fake tensors, or torch.compile), else the launcher
     directly: the op's eager dispatch costs about as much host time as the kernel launch itself, which is
     what a short sequence's call is made of (`scripts/attention_host_overhead.py`)."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
-        return flash_attention_forward_op(q, k, v, is_causal)
+        return flash_attention_forward_op(q, k, v, is_causal, backward)
     return dispatch.flash_forward(q, k, v, is_causal)
+
+
+def _attention_backward(q, k, v, out, lse, grad_out, is_causal: bool, backward: str, precision: str):
+    if backward == "compile":
+        return compiled_backward(q, k, v, out, lse, grad_out, is_causal)
+    with fp32_dot_precision(precision):  # (16-bit inputs: "tf32", which their dots ignore)
+        return dispatch.flash_backward(q, k, v, out, lse, grad_out, is_causal, dispatch.BACKWARD_OPTIONS[backward])
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -54,7 +92,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=False, backward="triton"):
         if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
             dispatch.validate_attention_inputs(q, k, v)  # (fake tensors never reach flash_forward, which validates)
-        out, lse = _attention_forward(q, k, v, bool(is_causal))
+        out, lse = _attention_forward(q, k, v, bool(is_causal), backward)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = bool(is_causal)
         ctx.backward_impl = backward
@@ -64,12 +102,8 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        if ctx.backward_impl == "compile":
-            dq, dk, dv = compiled_backward(q, k, v, out, lse, grad_out, ctx.is_causal)
-        else:
-            with fp32_dot_precision(ctx.precision):  # (16-bit inputs: "tf32", which their dots ignore)
-                dq, dk, dv = dispatch.flash_backward(q, k, v, out, lse, grad_out, ctx.is_causal,
-                                                     dispatch.BACKWARD_OPTIONS[ctx.backward_impl])
+        dq, dk, dv = _attention_backward(q, k, v, out, lse, grad_out, ctx.is_causal, ctx.backward_impl,
+                                         ctx.precision)
         return dq, dk, dv, None, None
 
 
@@ -99,9 +133,11 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
         launcher = "native" if native_launch.native_enabled() else "python"
     elif launcher not in LAUNCHERS:
         raise ValueError(f"flash_attention: launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if torch.compiler.is_compiling():  # the registered operator and its autograd rule: fullgraph, dynamic shapes
+        dispatch.validate_attention_inputs(q, k, v)
+        return flash_attention_forward_op(q, k, v, bool(is_causal), backward)[0]
     if (launcher == "native" and backward in native_launch.BACKWARD_CODES and isinstance(q, torch.Tensor)
-            and q.device.type == "cuda" and not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
-            and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
+            and q.device.type == "cuda" and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
         out = native_launch.attention(q, k, v, is_causal, backward)
         if out is not None:
             return out

@@ -315,7 +315,9 @@ def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStor
     step = harness.step_fn(mode, ranges.phase)
     trace_path = _artifact_stem(args, harness.case, mode).with_suffix(".pt.trace.json")
     range_names = PHASES + ("attention/scores", "attention/softmax", "attention/matmul")
-    with annotated_attention(ranges) if harness.case.provider == "ours" else contextlib.nullcontext():
+    # Only the reference attention has parts to name; any other stays as the case chose it.
+    names_attention = harness.case.provider == "ours" and harness.case.attention == "reference"
+    with annotated_attention(ranges) if names_attention else contextlib.nullcontext():
         summary = profile_steps(step, steps=args.steps, device=args.device, trace_path=trace_path,
                                 range_names=range_names)
     print(f"\nkernel summary, {mode} ({harness.case.preset}, ctx {harness.case.context}, "

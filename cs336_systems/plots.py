@@ -99,3 +99,29 @@ def plot_collectives(frame: pd.DataFrame, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
+    """ours / baseline time (column "ours / baseline") against the preset, one line per "execution" mode, one panel
+    per context."""
+    plt = _pyplot()
+    contexts = sorted(set(wide["context"]))
+    fig, axes = plt.subplots(1, len(contexts), figsize=(3.8 * len(contexts), 3.4), squeeze=False, sharey=True)
+    styles = {"eager": "o-", "compiled": "s-", "CUDA graphs": "^-"}
+    for ax, context in zip(axes[0], contexts):
+        panel = wide[wide["context"] == context]
+        for execution, line in panel.groupby("execution", observed=True):
+            line = line.sort_values("preset")
+            ax.plot(line["preset"].astype(str), line["ours / baseline"], styles.get(execution, "o-"), ms=4,
+                    label=execution)
+        ax.axhline(1.0, color="grey", ls="--", lw=1)
+        ax.set_title(f"context {int(context)}", fontsize=9)
+        ax.set_xlabel("model size")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("ours / baseline (train step time)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -317,6 +317,13 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
         --compile ${MODEL_COMPILE:-on,reduce-overhead} --compile-scope block --provider ours,baseline \
         --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
         --results-dir "$R" 2>&1 | tail -52
+      ;;
+    model-sizes-profile)
+      # Where ours loses when compiled: one profile each of ours eager and compiled (block) at small/512.
+      python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 --provider ours,baseline \
+        --compile off,on --compile-scope block --attention triton --fused --optimizer fused --mode train-step \
+        --profile --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_compiled.log" 2>&1
+      grep -A3 "^| preset" "$OUT/profile_compiled.log" | head -12
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \

@@ -43,6 +43,30 @@ def test_model_suite_all_modes_both_providers(tmp_path, capsys):
     assert all(r["median"] > 0 for r in rows if r["metric"] == "tflops")
 
 
+def test_model_suite_runs_our_whole_stack_compiled_on_the_cpu(tmp_path, monkeypatch):
+    """Issue 32's CPU command: our attention, fused kernels and fused AdamW, compiled, on a machine without a GPU
+    (the operators' torch maths, not the interpreter); every row ok, and the compile mode recorded."""
+    import cs336_systems.kernels._triton_utils as utils
+    import cs336_systems.kernels.flash_attention.function  # noqa: F401  (its autotune configs are read at import)
+
+    monkeypatch.setattr(utils, "interpreting", lambda: False)
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "train-step", "--attention", "triton",
+                 "--fused", "--optimizer", "fused", "--compile", "on", "--results-dir", str(tmp_path), *FAST]) == 0
+    times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert [(r["status"], r["config"]["compile"], r["config"]["compile_mode"]) for r in times] == [
+        ("ok", True, "default")]
+
+
+def test_model_suite_compile_choices():
+    from cs336_systems.bench.suites.model import cases
+
+    args = build_parser().parse_args(["model", "--compile", "off,on,reduce-overhead", "--device", "cpu"])
+    assert [(c.compile, c.compile_mode) for c in cases(args)] == [
+        (False, "-"), (True, "default"), (True, "reduce-overhead")]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["model", "--compile", "max"])
+
+
 def test_model_suite_sweep_and_override(tmp_path):
     main(["model", "--preset", "tiny", "--context", "16,32", "--dtype", "fp32,bf16", "--mode", "forward",
           "--num-layers", "1", "--results-dir", str(tmp_path), *FAST])

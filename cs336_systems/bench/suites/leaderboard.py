@@ -74,6 +74,7 @@ from cs336_systems.results import ResultStore, format_table
 
 PROVIDERS = ("ours", "baseline")
 PHASES = ("forward", "loss", "backward", "sync", "optimizer")  # the step's named ranges, in order
+PHASE_STEPS = 3  # steps timed phase by phase after the whole-step timing
 
 
 def add_arguments(parser) -> None:
@@ -159,7 +160,7 @@ def _measure(store, provider, config, cfg, args, device, build_step, matmul_peak
     else:
         timing = bench_kernel(plain_step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     ranges.reset()
-    for _ in range(3):
+    for _ in range(PHASE_STEPS):
         step()
     phases = {name: sum(v) / len(v) * 1e3 for name, v in ranges.collect().items()}
     flops = flops_for_mode(cfg, batch, seq, "train-step")

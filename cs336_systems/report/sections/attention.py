@@ -5,8 +5,18 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
-from cs336_systems.report.sections.common import Results, environment, latest
+from cs336_systems.report.sections.common import Results, environment, latest, shared_value
+
+# Issue 4's targets (fwd+bwd, bf16, causal): the cases, and the ratios against SDPA's backends ours must reach.
+TARGET_SEQ, TARGET_DIMS = 8192, (64, 128)
+TARGET_VS_FLASH, TARGET_VS_CUDNN = 1.3, 0.9
+PEAK_D = 128  # the head dim of the forward-peak sentence and the memory table
+SHORT_SEQ = 512  # at or below: the host-bound short calls
+FP32_FROM_SEQ = 2048  # the fp32 ratios' shapes
+HANDOUT_BATCH = 8  # the handout's naive-attention sweep: batch 8, 3-D inputs (no heads)
+ONE_PASS_KEYS = 128  # keys per program of the warp-specialised one-pass backward (hopper_one_pass.py)
 
 
 def _attention_kernel_time(doc: Document, att: pd.DataFrame) -> None:
@@ -15,7 +25,7 @@ def _attention_kernel_time(doc: Document, att: pd.DataFrame) -> None:
     keys = ["provider", "batch", "heads", "seq", "d", "dtype", "pass"]
     # the target cases only (the flash sweep's other head dims record kernel time too, naive's among them)
     both = att[att["metric"].isin(["time", "kernel_time"]) & (att["status"] == "ok") & (att["pass"] == "fwd-bwd")
-               & (att["seq"] >= 8192) & (att["heads"] > 0) & att["d"].isin([64, 128]) & (att["dtype"] == "bf16")
+               & (att["seq"] >= TARGET_SEQ) & (att["heads"] > 0) & att["d"].isin(TARGET_DIMS) & (att["dtype"] == "bf16")
                & (att["provider"] != "naive")]
     kernel = latest(both[both["metric"] == "kernel_time"], keys)
     if kernel.empty:
@@ -37,7 +47,7 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
     doc.add(Heading("pytorch_attention, torch_compile (a), flash_benchmarking"))
     att = r.frame("attention")
     att = att[att["device"] == "cuda"] if not att.empty else att
-    handout = att[(att["batch"] == 8) & (att["heads"] == 0)] if not att.empty else att
+    handout = att[(att["batch"] == HANDOUT_BATCH) & (att["heads"] == 0)] if not att.empty else att
     if handout.empty:
         r.note_missing(doc, "pytorch_attention", "the handout sweep (batch 8, d 16..128, seq 256..16384, naive "
                        "eager vs compiled; `cs336-bench attention --sweep handout`, GPU)")
@@ -48,7 +58,7 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
     t = latest(att[(att["metric"] == "time") & (att["heads"] > 0)],
                ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
     # bf16 only: the targets are bf16, and the table's rows have no dtype column to keep fp32 apart
-    big = t[(t["seq"] >= 8192) & (t["status"] == "ok") & (t["dtype"] == "bf16")]
+    big = t[(t["seq"] >= TARGET_SEQ) & (t["status"] == "ok") & (t["dtype"] == "bf16")]
     wide = big.pivot_table(index=["batch", "heads", "seq", "d", "pass"], columns="provider",
                            values="median").reset_index()
     for base in ("sdpa-flash", "sdpa-cudnn"):
@@ -72,26 +82,29 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
             doc.add(Table(part[keys + rest].dropna(how="all", subset=rest).round(3),
                           f"{label}: the other implementations and our variants, median ms"))
     # (the targets below are checked on unrounded ratios: 0.895 is short of 0.9)
-    fb = wide[(wide["pass"] == "fwd-bwd") & wide["d"].isin([64, 128])]
+    fb = wide[(wide["pass"] == "fwd-bwd") & wide["d"].isin(TARGET_DIMS)]
     if "speed-up vs sdpa-flash" in fb and "speed-up vs sdpa-cudnn" in fb:
         for label, group in (("multi-head training shapes", fb[fb["heads"] > 1]),
                              ("single-head sweep shapes", fb[fb["heads"] == 1])):
             if group.empty:
                 continue
-            ok_flash = (group["speed-up vs sdpa-flash"] >= 1.3).sum()
-            ok_cudnn = (group["speed-up vs sdpa-cudnn"] >= 0.9).sum()
+            ok_flash = (group["speed-up vs sdpa-flash"] >= TARGET_VS_FLASH).sum()
+            ok_cudnn = (group["speed-up vs sdpa-cudnn"] >= TARGET_VS_CUDNN).sum()
             commits = ", ".join(sorted(set(group["triton commit"])))
             doc.add(Paragraph(
-                f"Targets (seq >= 8192, d 64/128, fwd+bwd), {label} (ours from commit {commits}): at least 1.3x "
-                f"SDPA-flash on {ok_flash} of {len(group)}, at least 0.9x cuDNN on {ok_cudnn} of {len(group)} "
+                f"Targets (seq >= {TARGET_SEQ}, d {'/'.join(map(str, TARGET_DIMS))}, fwd+bwd), {label} (ours from "
+                f"commit {commits}): at least {TARGET_VS_FLASH}x SDPA-flash on {ok_flash} of {len(group)}, at least "
+                f"{TARGET_VS_CUDNN}x cuDNN on {ok_cudnn} of {len(group)} "
                 f"(range {group['speed-up vs sdpa-cudnn'].min():.3f}-{group['speed-up vs sdpa-cudnn'].max():.3f}x)."))
-            short = group[(group["speed-up vs sdpa-flash"] < 1.3) | (group["speed-up vs sdpa-cudnn"] < 0.9)]
+            short = group[(group["speed-up vs sdpa-flash"] < TARGET_VS_FLASH)
+                          | (group["speed-up vs sdpa-cudnn"] < TARGET_VS_CUDNN)]
             if not short.empty:
                 cases = ", ".join(f"d {d} seq {n}" for d, n in zip(short["d"], short["seq"]))
                 doc.add(Paragraph(f"Short of a target among the {label}: {cases}."))
         doc.add(Paragraph(
-            "`triton` is the default backward: on Hopper at d 128 the warp-specialised one-pass kernel "
-            "(`hopper_one_pass.py`: each program owns 128 keys and adds its share of dQ into fp32 rows by TMA "
+            f"`triton` is the default backward: on Hopper at d {'/'.join(map(str, ONE_PASS_HEAD_DIMS))} the "
+            f"warp-specialised one-pass kernel (`hopper_one_pass.py`: each program owns {ONE_PASS_KEYS} keys and "
+            "adds its share of dQ into fp32 rows by TMA "
             "reduce-add, so dQ is not bit-reproducible), elsewhere two passes. `triton-two-pass-bwd` is always "
             "the two deterministic passes. Repeat calls replay launch plans: the compiled kernels called "
             "directly, without Triton's per-call argument binding, by default from a C++ autograd node "
@@ -101,17 +114,17 @@ def attention_benchmarks(doc: Document, r: Results) -> None:
         _attention_kernel_time(doc, att)
     # bf16 (the target's dtype); dtype is in the key so a later fp32 run of a shape cannot stand in for it
     tf = latest(att[(att["metric"] == "tflops") & (att["provider"] == "triton") & (att["pass"] == "fwd")
-                    & (att["d"] == 128) & (att["dtype"] == "bf16")], ["batch", "heads", "seq", "d", "dtype", "pass"])
+                    & (att["d"] == PEAK_D) & (att["dtype"] == "bf16")], ["batch", "heads", "seq", "d", "dtype", "pass"])
     if not tf.empty:
         best = tf.sort_values("median").iloc[-1]
-        doc.add(Paragraph(f"Forward peak at d 128, bf16: {best['median']:.0f} TFLOP/s (causal FLOPs) at batch "
+        doc.add(Paragraph(f"Forward peak at d {PEAK_D}, bf16: {best['median']:.0f} TFLOP/s (causal FLOPs) at batch "
                           f"{best['batch']}, {best['heads']} heads, seq {best['seq']}."))
     mem = latest(att[att["metric"] == "peak_allocated"], ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
-    mem = mem[(mem["pass"] == "fwd-bwd") & (mem["heads"] == 1) & (mem["d"] == 128) & (mem["dtype"] == "bf16")]
+    mem = mem[(mem["pass"] == "fwd-bwd") & (mem["heads"] == 1) & (mem["d"] == PEAK_D) & (mem["dtype"] == "bf16")]
     if not mem.empty:
         doc.add(Table(mem.pivot_table(index="seq", columns="provider", values="median").reset_index().round(3),
-                      "peak allocated GiB, fwd+bwd, batch 1, d 128, bf16: ours grows linearly with seq, naive "
-                      "quadratically"))
+                      f"peak allocated GiB, fwd+bwd, batch {shared_value(mem['batch'])}, d {PEAK_D}, bf16: ours grows "
+                      "linearly with seq, naive quadratically"))
     _flash_sweep(doc, r, att)
 
 
@@ -137,8 +150,9 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
         name = "attention_flash_sweep.png"
         plot_attention_tflops(sweep_rows, r.figures_dir / name)
         doc.add(Figure(f"figures/{name}", "flash_benchmarking sweep: fwd+bwd TFLOP/s (causal FLOPs) against "
-                       "sequence length, batch 1, one head, per head dim and dtype. " + environment(ours)))
-        short = sweep_rows[(sweep_rows["seq"] <= 512) & (sweep_rows["pass"] == "fwd-bwd")
+                       f"sequence length, batch {shared_value(sweep_rows['batch'])}, one head, per head dim and dtype. "
+                       + environment(ours)))
+        short = sweep_rows[(sweep_rows["seq"] <= SHORT_SEQ) & (sweep_rows["pass"] == "fwd-bwd")
                            & (sweep_rows["dtype"] == "bf16") & (sweep_rows["status"] == "ok")]
         small = short[short["metric"] == "time"]
         span = {p: (g["median"].min(), g["median"].max()) for p, g in small.groupby("provider")}
@@ -147,7 +161,8 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
             gpu = (f"; the GPU's own time in them is {kernel.min():.2f}-{kernel.max():.2f} ms (kernel_time rows), "
                    "the rest is the host's" if not kernel.empty else "")
             doc.add(Paragraph(
-                f"At seq <= 512 (bf16) our fwd+bwd takes {span['triton'][0]:.2f}-{span['triton'][1]:.2f} ms against "
+                f"At seq <= {SHORT_SEQ} (bf16) our fwd+bwd takes {span['triton'][0]:.2f}-{span['triton'][1]:.2f} ms "
+                f"against "
                 f"SDPA-flash's {span['sdpa-flash'][0]:.2f}-{span['sdpa-flash'][1]:.2f} ms{gpu}: several Triton "
                 "launches behind an autograd Function (`scripts/attention_host_overhead.py` splits the host time; "
                 "notes/flash_attention.md)."))
@@ -161,7 +176,7 @@ def _flash_sweep_fp32(doc: Document, sweep_rows: pd.DataFrame) -> None:
     """fp32 against the one SDPA backend that takes it (efficient), per head dim: our forward and fwd+bwd, with
     IEEE dots (`triton`) and with tf32x3 (`triton-tf32x3`, the efficient backend's own fp32 arithmetic)."""
     times = sweep_rows[(sweep_rows["dtype"] == "fp32") & (sweep_rows["metric"] == "time")
-                       & (sweep_rows["status"] == "ok") & (sweep_rows["seq"] >= 2048)]
+                       & (sweep_rows["status"] == "ok") & (sweep_rows["seq"] >= FP32_FROM_SEQ)]
     wide = times.pivot_table(index=["d", "seq", "pass"], columns="provider", values="median").reset_index()
     if "sdpa-efficient" not in wide.columns:
         return
@@ -182,8 +197,8 @@ def _flash_sweep_fp32(doc: Document, sweep_rows: pd.DataFrame) -> None:
         return
     doc.add(Paragraph(
         "fp32 (of SDPA's backends only the efficient one takes fp32; on sm_80 and later it runs three TF32 "
-        "tensor-core products per dot): SDPA-efficient's time / ours at seq >= 2048, " + "; ".join(sentences)
-        + ". Below 1 ours is slower (notes/flash_attention.md, Versions 15-16)."))
+        f"tensor-core products per dot): SDPA-efficient's time / ours at seq >= {FP32_FROM_SEQ}, "
+        + "; ".join(sentences) + ". Below 1 ours is slower (notes/flash_attention.md, its fp32 versions)."))
 
 
 def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None:
@@ -208,9 +223,11 @@ def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None
         part = pd.DataFrame.from_dict(cells, orient="index")
         part.index = part.index.set_names(["seq", "d"])
         table = part if table is None else table.join(part, how="outer")
-    doc.add(Paragraph("`cs336-bench attention --sweep handout`: batch 8, 3-D inputs (no heads), fp32, not causal; "
-                      "the time of one pass (median of 100 after 5 warm-up) and the memory in use before the "
-                      "backward. " + environment(rows)))
+    times = rows[rows["metric"] == "time"]
+    doc.add(Paragraph(f"`cs336-bench attention --sweep handout`: batch {HANDOUT_BATCH}, 3-D inputs (no heads), fp32, "
+                      f"not causal; the time of one pass (the median of {int(times['n'].min())}-"
+                      f"{int(times['n'].max())} timed passes after warm-up) and the memory in use before the backward. "
+                      + environment(rows)))
     doc.add(Table(table.reset_index(), "naive attention, eager and compiled"))
     if "naive-compiled" not in set(rows["provider"]):
         r.note_missing(doc, "torch_compile (a)", "the compiled column of the handout sweep (rows measured before "
@@ -228,7 +245,7 @@ def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None
         # The accounting (cs336_basics' attention, the handout's): three (B, N, N) fp32 tensors are saved for the
         # backward (the scores, which amax keeps; exp(scores - max), the division's numerator; the weights, which
         # the P V product keeps), beside Q, K, V and O, (B, N, d) each.
-        batch = 8
+        batch = HANDOUT_BATCH
         widest = mem[mem["d"] == mem["d"].max()].sort_values("seq")
         inputs = 4 * batch * widest["seq"] * widest["d"] * 4
         expected = (3 * batch * widest["seq"] ** 2 * 4 + inputs) / 2**30
@@ -236,7 +253,8 @@ def _handout_attention(doc: Document, r: Results, handout: pd.DataFrame) -> None
                                     "measured GiB": widest["median"].round(3),
                                     "3 B N^2 4 + 4 B N d 4 bytes, GiB": expected.round(3),
                                     "measured / expected": (widest["median"] / expected).round(2)}),
-                      "accounting for the memory before the backward (naive attention, fp32, batch 8): the scores, "
+                      f"accounting for the memory before the backward (naive attention, fp32, batch {batch}): the "
+                      "scores, "
                       "exp(scores - max) and the weights, each (B, N, N), saved for the backward; Q, K, V, O"))
         last = widest.iloc[-1]
         count = (last["median"] * 2**30 - inputs.iloc[-1]) / (batch * last["seq"] ** 2 * 4)
@@ -264,9 +282,11 @@ def attention_tuning(doc: Document, r: Results) -> None:
         f"{int(a)}, {int(b)}, {int(c)}, {int(d)}" for a, b, c, d in
         zip(best["block_m"], best["block_n"], best["num_warps"], best["num_stages"])]
     best["best ms"] = best["median"].round(2)
+    warps = ", ".join(str(int(w)) for w in sorted(set(kernels["num_warps"].dropna())))
+    stages = ", ".join(str(int(n)) for n in sorted(set(kernels["num_stages"].dropna())))
     doc.add(Paragraph("`cs336-bench attention-tune` times every candidate config of each kernel alone (bf16, "
-                      "causal; tile sizes x warps {4, 8} x stages {2..5}); the kernels' short autotune lists "
-                      "hold these winners. `fused` is the one-pass backward with dQ reduced by TMA "
+                      f"causal; tile sizes x warps {{{warps}}} x stages {{{stages}}}); the kernels' short autotune "
+                      "lists hold these winners. `fused` is the one-pass backward with dQ reduced by TMA "
                       "reduce-add, `fused-atomic` the same with pointer atomics. " + environment(kernels)))
     doc.add(Table(best[[*shape, "kernel", "config (BLOCK_M, BLOCK_N, warps, stages)", "best ms", "timed",
                         "failed"]], "fastest config per kernel"))

@@ -69,6 +69,12 @@ def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def col(frame: pd.DataFrame, name: str, default=None) -> pd.Series:
     return frame[name] if name in frame.columns else pd.Series(default, index=frame.index)
 
+def shared_value(values: pd.Series) -> str:
+    """The value a table's rows share, as text ("1", not "1.0"); where they differ, all of them ("1, 4")."""
+    unique = sorted(set(values.dropna()))
+    return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in unique) or "-"
+
+
 def ms(value) -> str:
     return "-" if value is None or (isinstance(value, float) and np.isnan(value)) else f"{value:.1f}"
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.bench.suites.leaderboard import PHASE_STEPS
+from cs336_systems.config import ModelConfig
 from cs336_systems.report.document import Document, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest
 
@@ -17,7 +19,9 @@ def leaderboard(doc: Document, r: Results) -> None:
     latest_run = steps.sort_values("timestamp")["run_id"].iloc[-1]
     paired = lb[lb["metric"] == "speedup_vs_baseline"].sort_values("timestamp")["run_id"]
     runs = [latest_run] + ([paired.iloc[-1]] if len(paired) and paired.iloc[-1] != latest_run else [])
-    doc.add(Paragraph("`cs336-bench leaderboard` (8.1B model, one sequence of 32,768 tokens, bf16 parameters and "
+    cfg = ModelConfig.from_name("leaderboard-8b")
+    doc.add(Paragraph(f"`cs336-bench leaderboard` ({cfg.parameter_count / 1e9:.1f}B model, one sequence of "
+                      f"{cfg.context_length:,} tokens, bf16 parameters and "
                       "AdamW state; ours: Triton FlashAttention-2, fused RMSNorm/SwiGLU gate, fused LM-head "
                       "cross-entropy, fused AdamW, the least checkpointing the memory model says fits; baseline: "
                       "PyTorch-native LM with SDPA, every block checkpointed, chunked CE, torch fused AdamW). "
@@ -52,7 +56,7 @@ def _leaderboard_run(doc: Document, rows: pd.DataFrame) -> None:
                         **{f"{p} ms": round(v) for p, v in phases.items()}})
     counts = ", ".join(f"{p} {int(n)}" for p, n in zip(ok["provider"], ok["n"])) if "n" in ok else ""
     doc.add(Table(pd.DataFrame(summary), f"run {ok['run_id'].iloc[0]}: " + environment(ok)
-                  + (f" Steps timed by do_bench after warm-up: {counts} (the phases: 3 more steps each)."
+                  + (f" Steps timed by do_bench after warm-up: {counts} (the phases: {PHASE_STEPS} more steps each)."
                      if counts else "")))
     ours = [s for s in summary if s["provider"] == "ours"]
     speed = rows[rows["metric"] == "speedup_vs_baseline"]

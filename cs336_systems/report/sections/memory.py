@@ -59,8 +59,11 @@ def checkpointing_and_memory_model(doc: Document, r: Results) -> None:
                       "predicted GiB": round(predicted, 2),
                       "error": f"{100 * (predicted / measured - 1):+.1f} %" if measured else "-",
                       "step ms": round(t["median"].iloc[0]) if len(t) else "-"})
-    doc.add(Paragraph("`cs336-bench memory search --preset xl --context 2048 --batch 4` (fp32, reference "
-                      "attention, one checkpointing level over group sizes k) and none/every-block at context 512; "
+    search_context = max(t["context"] for t in table)
+    others = ", ".join(str(c) for c in sorted({t["context"] for t in table} - {search_context}))
+    doc.add(Paragraph(f"`cs336-bench memory search --preset xl --context {search_context} --batch 4` (fp32, "
+                      "reference attention, one checkpointing level over group sizes k) and none/every-block at "
+                      f"context {others}; "
                       "\"predicted GiB\" is the analytic memory model of this commit (`cs336_systems.memory.model."
                       "predict`), walking the backward pass; \"predicted at the run\" is the one the run stored. " +
                       environment(peaks)))
@@ -75,9 +78,10 @@ def checkpointing_and_memory_model(doc: Document, r: Results) -> None:
     ok = [t for t in table if t["error"] != "-" and not t["policy"].startswith("nested")]
     if ok:
         worst = max(abs(float(t["error"].split()[0])) for t in ok)
-        best = min((t for t in ok if t["context"] == 2048), key=lambda t: t["measured peak GiB"], default=None)
+        best = min((t for t in ok if t["context"] == search_context), key=lambda t: t["measured peak GiB"],
+                   default=None)
         doc.add(Paragraph(f"The model is within {worst:.1f} % of every measured single-level peak. "
-                          + (f"The lowest single-level peak at context 2048 is {best['policy']} "
+                          + (f"The lowest single-level peak at context {search_context} is {best['policy']} "
                              f"({best['measured peak GiB']} GiB, {best['step ms']} ms/step): more groups keep more "
                              "boundaries, bigger groups keep more activations live during recompute; no "
                              "checkpointing does not fit." if best else "")

@@ -14,7 +14,11 @@ from cs336_systems.report.sections.common import (
     environment,
     latest,
     ours_vs_baseline,
+    shared_value,
 )
+
+MEMORY_CONTEXTS = (128, 2048)  # memory_profiling's contexts (the handout's)
+TOP_OPS = 5  # memory_profiling (f): how many ops of the block's saved tensors to list
 
 
 def benchmarking_script(doc: Document, r: Results) -> None:
@@ -129,32 +133,35 @@ def memory_profiling(doc: Document, r: Results) -> None:
     model = r.frame("model")
     peaks = model[(model["metric"] == "peak_allocated") & model["phase"].notna()] if "phase" in model else model
     peaks = peaks[peaks["preset"] == "xl"] if not peaks.empty else peaks
-    peaks = peaks[peaks["context"].isin([128, 2048])] if not peaks.empty else peaks
+    peaks = peaks[peaks["context"].isin(MEMORY_CONTEXTS)] if not peaks.empty else peaks
     if peaks.empty:
         r.note_missing(doc, "memory_profiling", "xl --memory runs at context 128/2048 (GPU)")
     else:
         peaks = latest(peaks, ["context", "dtype", "mode", "phase"])
         wide = peaks.pivot_table(index=["context", "dtype", "mode"], columns="phase", values="median").reset_index()
         doc.add(Paragraph("`cs336-bench model --preset xl --context 128,2048 --dtype fp32,bf16 --mode "
-                          "forward,train-step --memory` (batch 4, reference attention, no checkpointing). Peak "
-                          "allocated GiB per phase. " + environment(peaks)))
+                          f"forward,train-step --memory` (batch {shared_value(peaks['batch'])}, reference attention, "
+                          "no checkpointing). Peak allocated GiB per phase. " + environment(peaks)))
         doc.add(Table(wide.round(2)))
         doc.add(Paragraph("Each mode is recorded right after its own timed steps, so the forward rows hold the "
                           "parameters (fp32: 4 bytes each) and the forward's activations (plus, under bf16 autocast, "
                           "the bf16 weight copies), no gradients or AdamW state. The train-step peak is at the end "
                           "of backward/optimizer: parameters, gradients and both moments (16 bytes per parameter) "
-                          "dominate at context 128."))
-        ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == 2048)]
+                          f"dominate at context {min(MEMORY_CONTEXTS)}."))
+        long_context = max(MEMORY_CONTEXTS)
+        ooms = model[(model["status"] == "oom") & (model["preset"] == "xl") & (model["context"] == long_context)]
         if not ooms.empty:
             from cs336_systems.memory.model import predict
 
             cases = sorted({f"{d} {m}" for d, m in zip(ooms["dtype"], ooms["mode"])})
             batch = int(ooms["batch"].iloc[0]) if "batch" in ooms else 4
-            xl = ModelConfig.from_name("xl", context_length=2048)
-            predicted = predict(xl, batch, 2048, dtype="fp32").peak / 2**30
-            doc.add(Paragraph("Out of memory on the 141 GB card at context 2048: " + ", ".join(cases) +
+            xl = ModelConfig.from_name("xl", context_length=long_context)
+            predicted = predict(xl, batch, long_context, dtype="fp32").peak / 2**30
+            doc.add(Paragraph(f"Out of memory on the {shared_value(ooms['device_name'])} at context {long_context}: "
+                              + ", ".join(cases) +
                               f" (the memory model, `cs336_systems.memory.model.predict`, puts the fp32 step's peak at "
-                              f"{predicted:.2f} GiB: the ({batch}, {xl.num_heads}, 2048, 2048) score tensors, several "
+                              f"{predicted:.2f} GiB: the ({batch}, {xl.num_heads}, {long_context}, {long_context}) "
+                              "score tensors, several "
                               "per block, dominate)."))
         for name in sorted(p.name for p in r.results_dir.glob("xl_ctx*_memory.png")):
             path = r.copy_figure(name)
@@ -171,18 +178,18 @@ def memory_profiling(doc: Document, r: Results) -> None:
         ops = latest(saved[saved["what"] == "op"], ["preset", "context", "part", "compile", "dtype", "op"])
         block = ops[(ops["part"] == "block") & (ops["compile"] == False)]  # noqa: E712
         for (preset, context, dtype), group in block.groupby(["preset", "context", "dtype"]):
-            top = group.sort_values("median", ascending=False).head(5)
+            top = group.sort_values("median", ascending=False).head(TOP_OPS)
             doc.add(Table(pd.DataFrame({"op": top["op"], "tensors": top["tensors"],
                                         "saved GiB": top["median"].round(4),
                                         "share of the block": (100 * top["share"]).round(1).astype(str) + " %"}),
-                          f"(f) the 5 ops whose outputs one TransformerBlock saves most of ({preset}, context "
+                          f"(f) the {TOP_OPS} ops whose outputs one TransformerBlock saves most of ({preset}, context "
                           f"{int(context)}, {dtype}): {100 * top['share'].sum():.1f} % of the block's saved "
                           "bytes"))
     cfg = ModelConfig.from_name("xl")
-    d, ctx, batch = cfg.d_model, 2048, 4
+    d, short, ctx, batch = cfg.d_model, min(MEMORY_CONTEXTS), max(MEMORY_CONTEXTS), 4
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
                       f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
-                      f"({batch * 128 * d * 4 / 2**20:.0f} MiB at 128)."))
+                      f"({batch * short * d * 4 / 2**20:.0f} MiB at {short})."))
 
 
 def torch_compile_model(doc: Document, r: Results) -> None:

@@ -3,7 +3,9 @@ configuration, the environment line under a table, and the ours-vs-baseline tabl
 
 from __future__ import annotations
 
+import functools
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,14 +53,31 @@ class Results:
             return None
         return frame
 
+@functools.cache
+def commits_behind(commit: str) -> int | None:
+    """How many commits the checkout's HEAD is past `commit` (None outside a git checkout, or for a commit
+    this history does not hold): a table's rows that old may no longer describe the code."""
+    if not commit or commit in ("nan", "None", "unknown"):
+        return None
+    try:
+        done = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return int(done.stdout) if done.returncode == 0 and done.stdout.strip().isdigit() else None
+
+
 def environment(frame: pd.DataFrame) -> str:
-    """'measured on X (torch a, triton b), commits c, d' for the rows of a table."""
+    """'measured on X (torch a, triton b), commits c, d (n-m commits before HEAD)' for the rows of a table."""
     if frame.empty:
         return "no rows"
     parts = []
     for (device, torch_v, triton_v), rows in frame.groupby(["device_name", "torch", "triton"], dropna=False):
-        commits = ", ".join(sorted({str(c)[:10] for c in rows["git_commit"]}))
-        parts.append(f"{device} (torch {torch_v}, triton {triton_v}; commit {commits})")
+        shas = sorted({str(c)[:10] for c in rows["git_commit"]})
+        ages = [a for a in map(commits_behind, shas) if a is not None]
+        age = "" if not ages else (f"; {min(ages)} commits before HEAD" if min(ages) == max(ages)
+                                   else f"; {min(ages)}-{max(ages)} commits before HEAD")
+        parts.append(f"{device} (torch {torch_v}, triton {triton_v}; commit {', '.join(shas)}{age})")
     return "Measured on " + "; ".join(parts) + "."
 
 def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

@@ -68,15 +68,15 @@ def commits_behind(commit: str) -> int | None:
 
 
 def environment(frame: pd.DataFrame) -> str:
-    """'measured on X (torch a, triton b), commits c, d (n-m commits before HEAD)' for the rows of a table."""
+    """'measured on X (torch a, triton b), commits c, d (n-m commits before the build)' for the rows of a table."""
     if frame.empty:
         return "no rows"
     parts = []
     for (device, torch_v, triton_v), rows in frame.groupby(["device_name", "torch", "triton"], dropna=False):
         shas = sorted({str(c)[:10] for c in rows["git_commit"]})
         ages = [a for a in map(commits_behind, shas) if a is not None]
-        age = "" if not ages else (f"; {min(ages)} commits before HEAD" if min(ages) == max(ages)
-                                   else f"; {min(ages)}-{max(ages)} commits before HEAD")
+        age = "" if not ages else (f"; {min(ages)} commits before the build" if min(ages) == max(ages)
+                                   else f"; {min(ages)}-{max(ages)} commits before the build")
         parts.append(f"{device} (torch {torch_v}, triton {triton_v}; commit {', '.join(shas)}{age})")
     return "Measured on " + "; ".join(parts) + "."
 

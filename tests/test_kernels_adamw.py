@@ -80,3 +80,37 @@ def test_multi_tensor_with_mixed_dtypes_and_missing_gradients():
     assert ours.state[params[2]]["t"] == 2 and ours.state[params[0]]["t"] == 3
     for p, q in zip(params, copies):
         assert torch.equal(p, q)
+
+
+def test_gradient_table_is_copied_to_the_device_only_for_new_addresses(monkeypatch):
+    """Steps whose gradients sit at the addresses of an earlier step reuse its table (no host-to-device copy);
+    gradients at new addresses get a new table, and the update follows them."""
+    import cs336_systems.kernels.adamw as adamw
+
+    device = kernel_device()
+    built = []
+    real = adamw._addresses
+    monkeypatch.setattr(adamw, "_addresses", lambda tensors, dev: built.append(len(tensors)) or real(tensors, dev))
+    starts = [torch.randn(n, device=device) for n in (3, 1500)]
+    params = [torch.nn.Parameter(s.clone()) for s in starts]
+    optimizer = FusedAdamW(params, lr=0.1)
+    grads = [torch.ones_like(p) for p in params]
+    for _ in range(3):  # the same gradient tensors each step
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+    assert len(built) == 3 + 1  # p, m, v tables once, and one gradient table
+    for p in params:
+        p.grad = -torch.ones_like(p)  # new tensors, new addresses: a new table, and the step uses them
+    optimizer.step()
+    assert len(built) == 5
+    # the same four steps without a table: per tensor, the addresses passed fresh each launch
+    monkeypatch.setattr(FusedAdamW, "_gradient_table", lambda self, ps: real([p.grad for p in ps], ps[0].device))
+    fresh = [torch.nn.Parameter(p0) for p0 in starts]
+    plain = FusedAdamW(fresh, lr=0.1)
+    for sign in (1, 1, 1, -1):
+        for p in fresh:
+            p.grad = sign * torch.ones_like(p)
+        plain.step()
+    for ours, expected in zip(params, fresh):
+        assert torch.equal(ours.detach(), expected.detach())

@@ -11,8 +11,8 @@ Two launch schemes (`multi_tensor`):
   of a param group. Each program looks up which tensor it works on from a block table
   (tensor index, first element), and that tensor's p/g/m/v addresses from pointer tables
   (int64 addresses, cast to pointers in the kernel). The block table and the p/m/v tables are
-  cached (keyed by the tensors' addresses); only the gradient table is rebuilt each step
-  (zero_grad(set_to_none) gives new gradient tensors), one small host-to-device copy. A model
+  cached (keyed by the tensors' addresses), and so is the gradient table, for the gradients' addresses
+  (zero_grad(set_to_none) gives new gradient tensors, mostly at the addresses of the last step's). A model
   with hundreds of small tensors then costs one launch, not hundreds.
 * per tensor: the same kernel launched once per parameter (for comparison and tests).
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same update in torch.
@@ -29,6 +29,7 @@ from cs336_systems.kernels._triton_utils import check_operator_device, runs_kern
 
 MATHS = ("cs336", "torch")
 BLOCK = 1024
+GRADIENT_TABLES = 8  # gradient address tables kept (per optimizer): several groups and dtype batches each have one
 
 
 @functools.cache
@@ -90,6 +91,7 @@ class FusedAdamW(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         self.maths, self.state_dtype, self.multi_tensor = maths, state_dtype, multi_tensor
         self._tables_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # tensor addresses -> launch tables
+        self._gradient_tables: dict[tuple, torch.Tensor] = {}  # gradient addresses -> their table, newest last
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -163,6 +165,19 @@ class FusedAdamW(torch.optim.Optimizer):
                 _addresses([s["v"] for s in states], device))
         return self._tables_cache[key]
 
+    def _gradient_table(self, params) -> torch.Tensor:
+        """The gradients' addresses on the device. zero_grad(set_to_none=True) makes new gradient tensors each
+        step, but the caching allocator mostly hands back the same addresses: a table is reused for the same
+        addresses (its content is exactly them), so most steps copy nothing to the device and never wait on it."""
+        key = tuple(p.grad.data_ptr() for p in params)
+        table = self._gradient_tables.pop(key, None)
+        if table is None:
+            table = _addresses([p.grad for p in params], params[0].device)
+        self._gradient_tables[key] = table  # most recent last
+        while len(self._gradient_tables) > GRADIENT_TABLES:
+            self._gradient_tables.pop(next(iter(self._gradient_tables)))
+        return table
+
     def _launch(self, params, group, t: int) -> None:
         if not runs_kernel(params[0]):
             self._update_eagerly(params, group, t)
@@ -171,7 +186,7 @@ class FusedAdamW(torch.optim.Optimizer):
         if not block_tensor.numel():
             return
         _kernel()[(block_tensor.numel(),)](
-            p_addr, _addresses([p.grad for p in params], params[0].device), m_addr, v_addr,
+            p_addr, self._gradient_table(params), m_addr, v_addr,
             sizes, block_tensor, block_start, *self._scalars(group, t),
             P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
             S_DTYPE=_tl_dtype(self.state_dtype), TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)

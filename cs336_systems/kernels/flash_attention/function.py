@@ -136,8 +136,11 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
     if torch.compiler.is_compiling():  # the registered operator and its autograd rule: fullgraph, dynamic shapes
         dispatch.validate_attention_inputs(q, k, v)
         return flash_attention_forward_op(q, k, v, bool(is_causal), backward)[0]
+    # (Under a torch dispatch mode, selective checkpointing's, the Function path runs: the mode must see the
+    # forward operator, which the C++ node would not show it.)
     if (launcher == "native" and backward in native_launch.BACKWARD_CODES and isinstance(q, torch.Tensor)
-            and q.device.type == "cuda" and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
+            and q.device.type == "cuda" and not is_in_torch_dispatch_mode()
+            and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
         out = native_launch.attention(q, k, v, is_causal, backward)
         if out is not None:
             return out

@@ -199,9 +199,16 @@ def _setup_context(ctx, inputs, output):
     ctx.weight_dtype = inputs[1].dtype
 
 
+def _scaled_weight_gradient(grad_w: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_w * grad_loss in `dtype`, written straight into the result: no fp32 temporary the size of the head
+    (1.16 GiB for the 8B model's 151936 x 4096 head in bf16, 2.3 GiB in fp32), one rounding as before."""
+    return torch.mul(grad_w, grad_loss, out=torch.empty(grad_w.shape, dtype=dtype, device=grad_w.device))
+
+
 def _op_backward(ctx, grad_loss, _grad_h, _grad_w):
     grad_h, grad_w = ctx.saved_tensors
-    return grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None
+    return (grad_h * grad_loss.to(grad_h.dtype), _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype),
+            None, None, None, None)
 
 
 lm_head_cross_entropy_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -224,7 +231,7 @@ class LMHeadCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
         dh = (grad_h * grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape) if ctx.has[0] else None
-        dw = (grad_w * grad_loss).to(ctx.weight_dtype) if ctx.has[1] else None
+        dw = _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype) if ctx.has[1] else None
         return dh, dw, None, None, None, None
 
 

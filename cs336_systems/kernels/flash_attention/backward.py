@@ -191,17 +191,29 @@ DKDV_FP32_TENSOR_CORE_TILES = ((64, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2), (
                                (16, 32, 8, 2))
 DQ_FP32_TENSOR_CORE_TILES = ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 32, 8, 2),
                              (32, 16, 8, 2))
+# Head dim 256 in 16 bits ("wide-tensor-core"): the pass's gradient tiles, 256 columns each, must stay in
+# registers. ptxas, sm_90, bf16 and fp16, causal or not: the area-capped tensor-core tiles the dK/dV pass took
+# before (32 x 64 and 16 x 64 on 4 warps) spilled 4.1-4.3 KB a thread, the dQ pass's 32-132 B (issue 35: the
+# d 256 backward took 11x the d 128 time for 2x the FLOPs); these spill nothing (dK/dV 32 x 32 on 8 warps:
+# 170-203 registers; dQ 64 x 32 on 8 warps: 214-216), the old tiles last, for the autotuner to weigh. Not yet
+# timed on the GPU. `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --d 256 --config 32x32x8x3,64x32x8x2`.
+WIDE_HEAD_DIM = 256
+DKDV_WIDE_TILES = ((32, 32, 8, 3), (32, 32, 8, 2), (16, 32, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2))
+DQ_WIDE_TILES = ((64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 3), (64, 16, 4, 2))
 DKDV_TILE_FAMILIES = {
     "tensor-core": ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2)),
-    "ieee": DKDV_IEEE_FP32_TILES, "fp32-tensor-core": DKDV_FP32_TENSOR_CORE_TILES}
-# The one-pass backward (dQ reduced into fp32) extends the dK/dV pass: its tiles, but its own 16-bit winners.
-FUSED_TILE_FAMILIES = DKDV_TILE_FAMILIES | {
+    "ieee": DKDV_IEEE_FP32_TILES, "fp32-tensor-core": DKDV_FP32_TENSOR_CORE_TILES,
+    "wide-tensor-core": DKDV_WIDE_TILES}
+# The one-pass backward (dQ reduced into fp32) extends the dK/dV pass: its tiles, but its own 16-bit winners (and
+# at d 256 still the area cap: its extra dQ tile in shared memory was not checked with the wide tiles).
+FUSED_TILE_FAMILIES = {family: tiles for family, tiles in DKDV_TILE_FAMILIES.items()
+                       if family != "wide-tensor-core"} | {
     "tensor-core": ((64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3),
                     (16, 64, 4, 2))}
 DQ_TILE_FAMILIES = {
     "tensor-core": ((128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3),
                     (64, 16, 4, 2)),
-    "ieee": DQ_IEEE_FP32_TILES, "fp32-tensor-core": DQ_FP32_TENSOR_CORE_TILES}
+    "ieee": DQ_IEEE_FP32_TILES, "fp32-tensor-core": DQ_FP32_TENSOR_CORE_TILES, "wide-tensor-core": DQ_WIDE_TILES}
 
 
 def _prune_backward(divisible_by: str, divides: str, families: dict[str, tuple], wide_max_tile: int = 32 * 64):
@@ -216,6 +228,9 @@ def _prune_backward(divisible_by: str, divides: str, families: dict[str, tuple],
     def prune(configs, named_args, **kwargs):
         head_dim = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
         family = tile_family(kwargs.get("PRECISION"), named_args["Q"].element_size())
+        if family == "tensor-core" and head_dim >= WIDE_HEAD_DIM and "wide-tensor-core" in families:
+            candidates = configs_for_family(configs, families, "wide-tensor-core")  # chosen for d 256: no cap
+            return candidates if autotune_enabled() else candidates[:1]
         candidates = configs_for_family(configs, families, family)
         if family == "ieee" and head_dim <= 32:
             candidates = configs_for_family(configs, families, "tensor-core") + candidates  # (no tile in both)

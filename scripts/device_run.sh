@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, attention-d256, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -317,6 +317,12 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
         --compile ${MODEL_COMPILE:-on,reduce-overhead} --compile-scope block --provider ours,baseline \
         --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
         --results-dir "$R" 2>&1 | tail -52
+      ;;
+    attention-d256)
+      # Issue 35's d 256 target: fwd+bwd at d 256 at most 2.5x the d 128 time at the same shape (wide-head tiles).
+      python3 -m cs336_systems.bench attention --sweep custom --batch 1 --heads 1 --seq 16384,65536,131072 \
+        --d 128,256 --dtype bf16 --provider triton,sdpa-flash --pass fwd,bwd,fwd-bwd --rep-ms 200 --no-progress \
+        --results-dir "$R" 2>&1 | tail -20
       ;;
     model-sizes-profile)
       # Where ours loses when compiled: one profile each of ours eager and compiled (block) at small/512.

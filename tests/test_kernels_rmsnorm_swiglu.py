@@ -201,3 +201,28 @@ def test_rope_bad_inputs():
         rope(torch.ones(2, 4, 8), torch.arange(4), torch.ones(2, 16, 3))
     with pytest.raises(TypeError, match="integers"):
         rope(torch.ones(2, 4, 8), torch.arange(4.0), torch.ones(2, 16, 4))
+
+
+def test_rope_checks_each_positions_tensor_once(monkeypatch):
+    """Positions are checked on the device once per tensor and version (the model rotates Q and K by one
+    tensor); a new tensor, an in-place change or another cache length is checked again, and bad positions
+    still raise (on the CPU, _assert_async raises at once)."""
+    import cs336_systems.kernels.rope as rope_module
+
+    checks = []
+    real = torch._assert_async
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(rope_module, "_last_checked", None)
+    cache = torch.ones(2, 16, 4)
+    x = torch.randn(2, 3, 5, 8)
+    positions = torch.arange(5)[None]
+    rope_module.rope(x, positions, cache)
+    rope_module.rope(x, positions, cache)
+    assert len(checks) == 1
+    positions.add_(1)  # in place: a new version
+    rope_module.rope(x, positions, cache)
+    rope_module.rope(x, positions.clone(), cache)  # another tensor
+    rope_module.rope(x, positions, torch.ones(2, 8, 4))  # another context
+    assert len(checks) == 4
+    with pytest.raises(RuntimeError, match=r"positions must be in \[0, 16\)"):
+        rope_module.rope(x, positions + 20, cache)

@@ -23,6 +23,7 @@ backward, by -t), the eager Function, `rope`.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -160,6 +161,23 @@ class RoPEFunction(torch.autograd.Function):
         return _rotate(grad_out, pos, cache, -1.0), None, None
 
 
+_last_checked: tuple | None = None  # (a weak reference to positions, their version, the context they fit)
+
+
+def _check_positions(pos_ids: torch.Tensor, context: int) -> None:
+    """Positions outside [0, context) are an error, checked on the device (no host sync that would stall eager
+    launch pipelining; the kernel would read past the cache). Four small kernels a check, so eagerly once per
+    positions tensor and version: the model rotates Q and K by the same one."""
+    global _last_checked
+    eager = not compiling()
+    if eager and _last_checked is not None and _last_checked[0]() is pos_ids \
+            and _last_checked[1:] == (pos_ids._version, context):
+        return
+    torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), f"rope: positions must be in [0, {context})")
+    if eager:
+        _last_checked = (weakref.ref(pos_ids), pos_ids._version, context)
+
+
 def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Fused RoPE. x (..., seq, dim) with dim even; pos_ids integer, broadcastable to (..., seq);
     cache (2, context, dim/2): cos and sin, as RotaryEmbedding's `_freq_cis_cache`."""
@@ -172,10 +190,7 @@ def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.T
     # One position per (.., seq) row, as a broadcast view: no copy, and stride 0 over the heads.
     pos = torch.broadcast_to(pos_ids.to(torch.int64), x.shape[:-1])
     if pos_ids.numel():
-        # Checked on the device (no host sync that would stall eager launch pipelining); the eager path
-        # would raise an index error instead of reading past the cache.
-        torch._assert_async(((pos_ids >= 0) & (pos_ids < cache.shape[1])).all(),
-                            f"rope: positions must be in [0, {cache.shape[1]})")
+        _check_positions(pos_ids, cache.shape[1])
     if compiling():
         return rope_op(x, pos, cache, 1.0)
     return RoPEFunction.apply(x, pos, cache.contiguous())

@@ -28,15 +28,11 @@ def interpreting() -> bool:
 
 
 def check_kernel_device(name: str, *tensors: torch.Tensor) -> None:
-    """Kernels run on CUDA tensors, or on CPU tensors under the interpreter; say so otherwise."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        raise ValueError(
-            f"{name}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got {device}"
-        )
+    """Kernels with no CPU maths run on CUDA tensors, or on CPU tensors under the interpreter; say so otherwise."""
+    check_operator_device(name, *tensors)
+    if not runs_kernel(tensors[0]):
+        raise ValueError(f"{name}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), "
+                         f"got {tensors[0].device}")
 
 
 def check_operator_device(name: str, *tensors: torch.Tensor) -> None:

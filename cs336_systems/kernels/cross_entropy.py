@@ -177,7 +177,7 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
     return loss * scale, grad_h, grad_w
 
 
-# The registered operator: what torch.compile and dispatch modes see (`compiling`). It returns the gradients it
+# The registered operator: what torch.compile sees (`compiling`). It returns the gradients it
 # formed on the way (the whole point of the fusion); its autograd rule only scales them.
 @torch.library.custom_op("cs336::lm_head_cross_entropy", mutates_args=())
 def lm_head_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,

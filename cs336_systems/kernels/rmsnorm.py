@@ -137,7 +137,7 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
-# The registered operators: what torch.compile and dispatch modes see (`compiling`). The forward returns rstd too,
+# The registered operators: what torch.compile sees (`compiling`). The forward returns rstd too,
 # so the backward operator reuses it; rows are flattened inside, so one graph serves every leading shape.
 @torch.library.custom_op("cs336::rmsnorm", mutates_args=())
 def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

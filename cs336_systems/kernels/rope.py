@@ -121,7 +121,7 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     return out
 
 
-# The registered operator: what torch.compile and dispatch modes see (`compiling`). Its backward is itself, by
+# The registered operator: what torch.compile sees (`compiling`). Its backward is itself, by
 # the opposite angle.
 @torch.library.custom_op("cs336::rope", mutates_args=())
 def rope_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:

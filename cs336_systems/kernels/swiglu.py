@@ -86,7 +86,7 @@ def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[t
     return da, db
 
 
-# The registered operators: what torch.compile and dispatch modes see (`compiling`).
+# The registered operators: what torch.compile sees (`compiling`).
 @torch.library.custom_op("cs336::silu_mul", mutates_args=())
 def silu_mul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _forward(a.contiguous(), b.contiguous())

@@ -82,6 +82,7 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"] = str(rank), str(world_size), str(rank)
     device = "cuda" if backend == "nccl" else "cpu"
+    finished = False
     try:
         # The parent holds the store's port from before the spawn to the end (see `spawn`): every rank,
         # rank 0 included, joins it as a client.
@@ -100,6 +101,7 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
             # to it aborted once in CI ("terminate called without an active exception", SIGABRT, 2026-12-04).
             dist.barrier()
         open(os.path.join(status_dir, f"done{rank}"), "w").close()  # finished, as opposed to exited early
+        finished = True
     except BaseException as error:
         # When and why this rank failed: the parent reports the first failure, the cause, not a peer's
         # "connection closed" that followed it.
@@ -109,7 +111,7 @@ def _spawn_entry(rank: int, fn: Callable, world_size: int, port: int, backend: s
         os.replace(record + ".partial", record)  # whole or absent: the parent may read it at any moment
         raise
     finally:
-        if not os.path.exists(os.path.join(status_dir, f"done{rank}")):
+        if not finished:
             teardown()
     # A finished rank leaves without gloo's teardown: destroy_process_group (or its threads' destructors at exit)
     # aborted ranks that had done all their work, 2 runs in 20 of the distributed tests after the barrier above

@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, attention-d256, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -330,6 +330,29 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
         --compile off,on --compile-scope block --attention triton --fused --optimizer fused --mode train-step \
         --profile --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_compiled.log" 2>&1
       grep -A3 "^| preset" "$OUT/profile_compiled.log" | head -12
+      ;;
+    report-gpu)
+      # Issue 34: the handout's single-GPU measurements the report answers from, one run per table (~8 min).
+      # benchmarking_script (b) and benchmarking_mixed_precision (c): every size, fp32 and bf16, 5 warm-up and 10
+      # timed steps, ours (reference model) beside the baseline.
+      python3 -m cs336_systems.bench model --preset small,medium,large,xl --dtype fp32,bf16 --provider ours,baseline \
+        --mode forward,forward-backward,train-step --warmup 5 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -30
+      # benchmarking_script (c): 0, 1, 2 warm-up steps, each in a fresh process (cold context and caches).
+      for warmup in 0 1 2; do
+        python3 -m cs336_systems.bench model --preset small,xl --dtype fp32 --provider ours --mode forward,train-step \
+          --warmup $warmup --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -6
+      done
+      # benchmarking_mixed_precision (a): the toy model's dtypes under CUDA autocast, fp16 and bf16.
+      run_stage precision
+      # nsys_profile (a)-(e): two sizes, contexts up to the longest that fits (an out-of-memory case is a row),
+      # a forward-only profile and a training step's, fp32, our reference model with named attention parts.
+      python3 -m cs336_systems.bench model --preset small,medium --context 256,512,1024,2048 --dtype fp32 \
+        --provider ours --mode forward,train-step --profile --warmup 3 --steps 5 --no-progress --results-dir "$R" \
+        > "$OUT/profile_handout.log" 2>&1
+      grep -E "^\| (small|medium) " "$OUT/profile_handout.log" | head -20
+      # gradient_checkpointing (b): the group size k = 3 beside the ones measured.
+      python3 -m cs336_systems.bench memory search --preset xl --context 2048 --batch 4 --steps 2 \
+        --policies every-k:3 --results-dir "$R" 2>&1 | tail -4
       ;;
     profile)
       python3 -m cs336_systems.bench model --preset xl --mode train-step --dtype bf16 --profile --memory \

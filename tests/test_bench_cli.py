@@ -107,6 +107,27 @@ def test_model_suite_profile_on_cpu(tmp_path, capsys):
     assert list((tmp_path / "traces").glob("*.pt.trace.json"))
 
 
+def test_profile_of_each_mode_answers_nsys_profile(tmp_path):
+    """--profile profiles every requested mode; the kernel time by kind of work of a forward and a training step
+    answers nsys_profile (a)-(e) in the report."""
+    from cs336_systems.report.build import main as report_main
+
+    results = tmp_path / "results"
+    main(["model", "--preset", "tiny", "--context", "32", "--mode", "forward,train-step", "--profile",
+          "--results-dir", str(results), *FAST])
+    rows = [r for r in load_rows(results / "model.jsonl") if r["metric"] == "profile_category_time"]
+    assert {r["config"]["mode"] for r in rows} == {"forward", "train-step"}
+    step = [r for r in rows if r["config"]["mode"] == "train-step"]
+    assert {"forward", "backward", "optimizer"} <= {r["config"]["range"] for r in step}
+    assert abs(sum(r["config"]["share"] for r in step) - 1) < 1e-3  # every kernel, not the top ones
+    assert any(r["config"]["category"] == "matmul" for r in step)
+    assert report_main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+    section = (tmp_path / "docs" / "report.md").read_text().split("## nsys_profile")[1].split("\n## ")[0]
+    for label in ("(a)", "(b)", "(c)", "(d)", "(e)"):
+        assert label in section, label
+    assert "| tiny " in section and "Missing: (a)-(e)" not in section
+
+
 def test_model_suite_with_checkpointing(tmp_path):
     main(["model", "--preset", "tiny", "--context", "16", "--mode", "train-step", "--checkpoint", "nested",
           "--provider", "ours,baseline", "--results-dir", str(tmp_path), *FAST])

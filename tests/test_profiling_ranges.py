@@ -5,7 +5,7 @@ import time
 import torch
 
 import cs336_basics.model as basics_model
-from cs336_systems.profiling.memory_timeline import active_memory_series, plot_active_memory
+from cs336_systems.profiling.memory_timeline import active_memory_series, largest_allocations, plot_active_memory
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 
 
@@ -62,3 +62,19 @@ def test_active_memory_series_replays_the_trace():
 def test_plot_active_memory_writes_png(tmp_path):
     png = plot_active_memory(_snapshot(), tmp_path / "m.png", title="t", phases=[("forward", 0.0, 1500.0)])
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_largest_allocations_name_the_model_code_that_made_them():
+    torch_frame = dict(filename="/site-packages/torch/nn/functional.py", line=10, name="softmax")
+    def frames(line, name):
+        return [torch_frame, dict(filename="/repo/cs336_basics/model.py", line=line, name=name)]
+    events = [dict(action="alloc", size=4 * 2**20, frames=frames(80, "scaled_dot_product_attention")),
+              dict(action="alloc", size=4 * 2**20, frames=frames(80, "scaled_dot_product_attention")),
+              dict(action="alloc", size=4 * 2**20, frames=frames(90, "forward")),
+              dict(action="free_completed", size=8 * 2**20, frames=[]),
+              dict(action="alloc", size=2**20, frames=[torch_frame]),
+              dict(action="alloc", size=512, frames=frames(5, "small"))]
+    largest = largest_allocations(dict(device_traces=[events]), top=2)
+    assert largest == [dict(bytes=4 * 2**20, count=3, origin="model.py:80 (scaled_dot_product_attention)"),
+                       dict(bytes=2**20, count=1, origin="(torch internals)")]
+    assert largest_allocations(dict(device_traces=[]), top=3) == []

@@ -235,3 +235,20 @@ def test_each_implementation_keeps_one_colour():
 
     assert len({provider_colour(p) for p in IMPLEMENTATIONS}) == len(IMPLEMENTATIONS)
     assert provider_colour("triton") == provider_colour("triton") and provider_colour("someone-new")
+
+
+def test_benchmarking_script_shows_mean_and_the_warmup_study(tmp_path):
+    """(b) mean ± std from the warmed-up run; (c) the runs with 0-2 warm-up steps in a table of their own, not
+    mixed into (b)'s."""
+    rows = []
+    for warmup, mean, std, run in ((5, 20.0, 0.2, "warm"), (0, 60.0, 90.0, "w0"), (1, 22.0, 3.0, "w1"),
+                                   (2, 21.0, 1.0, "w2")):
+        row = _row("model", "ours", "time", mean, preset="small", context=512, batch=4, dtype="fp32", compile=False,
+                   attention="reference", mode="forward")
+        row.update(warmup=warmup, mean=mean, std=std, run_id=run, timestamp=f"2026-12-0{2 + warmup % 3}T00:00:00")
+        rows.append(row)
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## benchmarking_script"):text.index("## nsys_profile")]
+    assert "ours ms (mean ± std)" in section and "20.0 ± 0.2" in section
+    assert "0 warm-up" in section and "60.0 ± 90.0" in section and "21.0 ± 1.0" in section
+    assert "Without warm-up the mean is 3.0-3.0x" in section

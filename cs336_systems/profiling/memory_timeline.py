@@ -2,7 +2,8 @@
 
 `record_memory_history()` wraps `torch.cuda.memory._record_memory_history`; on exit it
 dumps the snapshot pickle. `plot_active_memory` replays the allocator trace (alloc /
-free_completed) into active bytes over time and draws it with the phases shaded.
+free_completed) into active bytes over time and draws it with the phases shaded;
+`largest_allocations` names the biggest allocations and the model code that made them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def active_memory_series(snapshot: dict, device: int = 0) -> tuple[list[float], 
         times.append(float(e.get("time_us", i)))
         levels.append(level)
     return times, levels
+
+
+def _origin(frames: list[dict]) -> str:
+    """The innermost frame of the model's own code (not torch's) that made an allocation: 'file:line (function)'."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        if ("cs336" in name or "baseline_lm" in name) and "/torch/" not in name:
+            return f"{Path(name).name}:{frame.get('line', 0)} ({frame.get('name', '?')})"
+    return "(torch internals)"
+
+
+def largest_allocations(snapshot: dict, top: int = 5, device: int = 0) -> list[dict]:
+    """memory_profiling (e): the `top` largest allocation sizes in the trace, each with how many times it was
+    allocated and where (the model code's innermost frame of the most frequent call site)."""
+    traces = snapshot.get("device_traces", [])
+    events = [e for e in traces[device] if e.get("action") == "alloc"] if device < len(traces) else []
+    by_size: dict[int, dict[str, int]] = {}
+    for event in events:
+        origins = by_size.setdefault(event["size"], {})
+        origin = _origin(event.get("frames", []))
+        origins[origin] = origins.get(origin, 0) + 1
+    largest = sorted(by_size.items(), reverse=True)[:top]
+    return [{"bytes": size, "count": sum(origins.values()), "origin": max(origins, key=origins.get)}
+            for size, origins in largest]
 
 
 def plot_active_memory(snapshot: dict, png_path: str | Path, *, title: str,

@@ -6,7 +6,11 @@
 
 Handout problem: memory_profiling's saved-tensor question (the 3.6 GiB example). Parameters are
 left out; a storage saved twice counts once. Rows: total, per module, and per top op.
-(The analytic memory model and the checkpoint-policy search land here next.)
+
+`cs336-bench memory search` (gradient_checkpointing, CUDA): one checkpointing level over group sizes k,
+each policy's measured peak and step time beside the analytic memory model's prediction.
+
+    cs336-bench memory search --preset xl --context 2048 --policies none,every-block,every-k:3
 """
 
 from __future__ import annotations

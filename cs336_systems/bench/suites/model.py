@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak for MFU (default: measured with a large bf16 matmul on CUDA)")
     parser.add_argument("--nvtx", action="store_true", help="NVTX ranges around phases and attention parts")
     parser.add_argument("--profile", action="store_true",
-                        help="torch.profiler over the timed steps: trace file and kernel summary")
+                        help="torch.profiler over the timed steps of each mode: trace file, kernel summary, "
+                             "kernel time by kind of work")
     parser.add_argument("--memory", action="store_true",
                         help="CUDA memory history: snapshot pickle, timeline PNG and per-phase peaks")
     common.add_common_arguments(parser)
@@ -260,11 +261,14 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
                 harness.optimizer.zero_grad(set_to_none=True)
                 common.free_memory(device)
                 break
-        if args.profile:  # one trace per configuration: the last mode
-            try:
-                _profile(harness, args.mode[-1], config, args, store)
-            except Exception as error:
-                _record_failure(store, case.provider, config | {"mode": args.mode[-1]}, "profile", error)
+        if args.profile:  # one trace per mode (nsys_profile compares a forward-only profile with a step's)
+            for mode in args.mode:
+                try:
+                    _profile(harness, mode, config, args, store)
+                except Exception as error:
+                    _record_failure(store, case.provider, config | {"mode": mode}, "profile", error)
+                    harness.optimizer.zero_grad(set_to_none=True)
+                    common.free_memory(device)
     del harness
     common.free_memory(device)
 
@@ -309,7 +313,7 @@ def _artifact_stem(args, case: ModelCase, mode: str) -> Path:
 
 
 def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
-    from cs336_systems.profiling.trace import profile_steps
+    from cs336_systems.profiling.trace import category_summary, profile_steps
 
     ranges = PhaseRanges(args.device, record=True, nvtx=args.nvtx, sync=True)
     step = harness.step_fn(mode, ranges.phase)
@@ -328,10 +332,22 @@ def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStor
                   config=config | {"mode": mode, "range": row.range, "kernel": row.kernel,
                                    "calls_per_step": row.calls_per_step, "share": round(row.share, 5)},
                   metric="profile_kernel_time", unit="ms", value=row.total_ms / args.steps)
+    # Every kernel, folded into kinds of work per range: the matmul share and the other kernels' shares are
+    # read from these, not from the top 40 alone.
+    for row in category_summary(summary, steps=args.steps).itertuples():
+        store.add(provider=harness.case.provider,
+                  config=config | {"mode": mode, "range": row.range, "category": row.category,
+                                   "calls_per_step": row.calls_per_step, "share": round(row.share, 5)},
+                  metric="profile_category_time", unit="ms", value=row.ms_per_step)
 
 
 def _memory(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
-    from cs336_systems.profiling.memory_timeline import PhaseClock, plot_active_memory, record_memory_history
+    from cs336_systems.profiling.memory_timeline import (
+        PhaseClock,
+        largest_allocations,
+        plot_active_memory,
+        record_memory_history,
+    )
 
     clock = PhaseClock()
     per_phase = PhaseRanges(args.device, memory=True)
@@ -353,6 +369,11 @@ def _memory(harness: _Harness, mode: str, config: dict, args, store: ResultStore
                        title=f"{harness.case.preset} ctx {harness.case.context} {harness.case.dtype} {mode}: "
                              f"active memory over {steps} steps")
     print(f"memory timeline: {png}; snapshot for pytorch.org/memory_viz: {stem.with_suffix('.memory.pickle')}")
+    for rank, allocation in enumerate(largest_allocations(recorded["snapshot"])):
+        store.add(provider=harness.case.provider,
+                  config=config | {"mode": mode, "rank": rank + 1, "count": allocation["count"],
+                                   "origin": allocation["origin"]},
+                  metric="largest_allocation", unit="MiB", value=allocation["bytes"] / 2**20)
     for name, peaks in per_phase.peak_bytes.items():
         for kind, value in peaks.items():
             store.add(provider=harness.case.provider, config=config | {"mode": mode, "phase": name},

@@ -12,10 +12,11 @@ from cs336_systems.report.sections import (
     kernels,
     leaderboard,
     memory,
+    nsys_profile,
     profiling,
 )
 
-SECTIONS = (profiling.benchmarking_script, profiling.nsys_profile, profiling.mixed_precision_accumulation,
+SECTIONS = (profiling.benchmarking_script, nsys_profile.nsys_profile, profiling.mixed_precision_accumulation,
             profiling.memory_profiling, attention.attention_benchmarks, attention.attention_tuning,
             profiling.torch_compile_model, memory.checkpointing_and_memory_model, distributed.distributed_communication,
             distributed.alternate_ring_all_reduce,

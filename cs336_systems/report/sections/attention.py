@@ -166,10 +166,46 @@ def _flash_sweep(doc: Document, r: Results, att: pd.DataFrame) -> None:
                 f"SDPA-flash's {span['sdpa-flash'][0]:.2f}-{span['sdpa-flash'][1]:.2f} ms{gpu}: several Triton "
                 "launches behind an autograd Function (`scripts/attention_host_overhead.py` splits the host time; "
                 "notes/flash_attention.md)."))
+    _flash_handout_tables(doc, att[(att["batch"] == 1) & (att["heads"] == 1)])
     _flash_sweep_fp32(doc, sweep_rows)
     if absent:
         r.missing.append(("flash_benchmarking", f"the flash sweep at {', '.join(absent)} (`FLASH_D=... bash "
                           "scripts/device_run.sh attention-flash`, one head dim per call, GPU)"))
+
+
+HANDOUT_PROVIDERS = {"naive": "PyTorch", "triton": "ours"}  # flash_benchmarking's comparison and its labels
+
+
+def _flash_handout_tables(doc: Document, sweep: pd.DataFrame) -> None:
+    """flash_benchmarking's deliverable: forward, backward and end-to-end latency of ours against PyTorch's
+    (naive) attention, one table per dtype and head dim, each from one run (the newest that timed both)."""
+    sweep = sweep[sweep["metric"] == "time"]
+    for dtype in ("bf16", "fp32"):
+        for d in sorted(set(sweep[sweep["dtype"] == dtype]["d"].dropna().astype(int))):
+            rows = sweep[(sweep["dtype"] == dtype) & (sweep["d"] == d)]
+            both = rows.groupby("run_id")["provider"].agg(lambda p: set(HANDOUT_PROVIDERS) <= set(p))
+            if not both.any():
+                continue
+            runs = rows[rows["run_id"].isin(both[both].index)]
+            run = runs.sort_values("timestamp")["run_id"].iloc[-1]
+            run_rows = latest(runs[(runs["run_id"] == run) & runs["provider"].isin(list(HANDOUT_PROVIDERS))],
+                              ["provider", "seq", "pass"])
+            cells = run_rows.assign(value=[f"{m:.3f}" if status == "ok" else status
+                                           for m, status in zip(run_rows["median"], run_rows["status"])])
+            cells = cells.assign(column=[f"{HANDOUT_PROVIDERS[p]} {q}" for p, q in
+                                         zip(cells["provider"], cells["pass"])])
+            table = cells.pivot_table(index="seq", columns="column", values="value", aggfunc="last")
+            order = [f"{label} {q}" for label in HANDOUT_PROVIDERS.values() for q in ("fwd", "bwd", "fwd-bwd")]
+            table = table[[c for c in order if c in table.columns]]
+            ok = run_rows[run_rows["status"] == "ok"].pivot_table(index="seq", columns=["provider", "pass"],
+                                                                  values="median", aggfunc="last")
+            if ("naive", "fwd-bwd") in ok and ("triton", "fwd-bwd") in ok:
+                table["PyTorch / ours fwd-bwd"] = (ok[("naive", "fwd-bwd")] / ok[("triton", "fwd-bwd")]).map(
+                    lambda v: "" if pd.isna(v) else f"{v:.1f}")
+            table = table.reset_index().fillna("")
+            table["seq"] = table["seq"].astype(int)
+            doc.add(Table(table, f"flash_benchmarking, {dtype}, d {d}: median ms per pass, batch "
+                                 f"{shared_value(run_rows['batch'])}, causal. " + environment(run_rows)))
 
 
 def _flash_sweep_fp32(doc: Document, sweep_rows: pd.DataFrame) -> None:

@@ -108,13 +108,14 @@ def eager_reference_rows(model: pd.DataFrame) -> pd.DataFrame:
     m = m[col(m, "attention").isin(["reference", "sdpa"])]
     return m
 
-def ours_vs_baseline(rows: pd.DataFrame, index: list[str]) -> pd.DataFrame:
+def ours_vs_baseline(rows: pd.DataFrame, index: list[str], stat: str = "median") -> pd.DataFrame:
+    """Ours beside the baseline per configuration: `stat` (median or mean) ± std ms, and ours / baseline."""
     rows = latest(rows, index + ["provider"])
-    wide = rows.pivot_table(index=index, columns="provider", values="median", aggfunc="last").reset_index()
+    wide = rows.pivot_table(index=index, columns="provider", values=stat, aggfunc="last").reset_index()
     spread = rows.pivot_table(index=index, columns="provider", values="std", aggfunc="last").reset_index()
     for provider in ("ours", "baseline"):
         if provider in wide:
-            wide[f"{provider} ms (median ± std)"] = [
+            wide[f"{provider} ms ({stat} ± std)"] = [
                 f"{m:.1f} ± {s:.1f}" if not np.isnan(m) else "-" for m, s in zip(wide[provider], spread[provider])]
     if {"ours", "baseline"} <= set(wide.columns):
         wide["ours / baseline"] = (wide["ours"] / wide["baseline"]).round(2)

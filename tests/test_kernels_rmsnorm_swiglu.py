@@ -60,6 +60,37 @@ def test_silu_mul_matches_reference(shape, dtype):
         assert_within_budget(name, g, r, lo)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_backward_in_place_writes_the_same_gradients_over_its_inputs(dtype):
+    device = kernel_device()
+    torch.manual_seed(2)
+    a0, b0, dy = (torch.randn(5, 333, device=device, dtype=dtype) for _ in range(3))
+
+    def run(in_place):
+        a_leaf, b_leaf = (t.clone().requires_grad_() for t in (a0, b0))
+        a, b = a_leaf * 1, b_leaf * 1  # non-leaf products, as w1 x and w3 x are
+        silu_mul(a, b, backward_in_place=in_place).backward(dy)
+        return a, b, a_leaf.grad, b_leaf.grad
+
+    a, b, da, db = run(True)
+    _, _, want_da, want_db = run(False)
+    assert torch.equal(da, want_da) and torch.equal(db, want_db)
+    assert torch.equal(a, da) and torch.equal(b, db)  # the gradients were written over the saved inputs
+
+
+def test_silu_mul_backward_in_place_refuses_leaves_and_is_loud_about_other_readers():
+    device = kernel_device()
+    a, b = (torch.randn(4, 8, device=device, requires_grad=True) for _ in range(2))
+    with pytest.raises(ValueError, match="backward_in_place=True .* leaf"):
+        silu_mul(a, b, backward_in_place=True)
+    with torch.no_grad():  # no backward, nothing overwritten: leaves are fine
+        silu_mul(a, b, backward_in_place=True)
+    x = a * 1
+    other = torch.sin(x)  # saves x for its own backward, which runs after the gate's
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (silu_mul(x, b * 1, backward_in_place=True).sum() + other.sum()).backward()
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="weight must have shape"):
         rmsnorm(torch.ones(2, 8), torch.ones(4))
@@ -137,7 +168,7 @@ def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
     plain = grads("none")
     calls = []
     real = fused_model.silu_mul
-    monkeypatch.setattr(fused_model, "silu_mul", lambda a, b: calls.append(1) or real(a, b))
+    monkeypatch.setattr(fused_model, "silu_mul", lambda a, b, **options: calls.append(1) or real(a, b, **options))
     checkpointed = grads(policy)
     for a, b in zip(plain, checkpointed):
         assert torch.equal(a, b)

@@ -72,15 +72,24 @@ def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, db) of contiguous tensors."""
+def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of contiguous tensors; with `in_place`, written over a and b (each element is read before its
+    gradient is stored at the same place), whose version counters are bumped so any other saved copy of them fails
+    loudly on use instead of reading gradients."""
     if not runs_kernel(a):
         acc = torch.promote_types(a.dtype, torch.float32)
         af, bf, dy = a.to(acc), b.to(acc), grad_y.to(acc)
         s = torch.sigmoid(af)
-        return (dy * bf * s * (1 + af * (1 - s))).to(a.dtype), (dy * af * s).to(b.dtype)
+        da, db = (dy * bf * s * (1 + af * (1 - s))).to(a.dtype), (dy * af * s).to(b.dtype)
+        if not in_place:
+            return da, db
+        torch.autograd.graph.increment_version((a, b))
+        return a.copy_(da), b.copy_(db)
     _, backward_kernel = _kernels()
-    da, db = torch.empty_like(a), torch.empty_like(b)
+    if in_place:
+        torch.autograd.graph.increment_version((a, b))
+    da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
     if a.numel():
         backward_kernel[_grid(a.numel())](a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
     return da, db
@@ -124,18 +133,25 @@ class SiluMulFunction(torch.autograd.Function):
     """The eager path: the same launchers as the operators, without their dispatch cost."""
 
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx, a, b, backward_in_place=False):
         a, b = a.contiguous(), b.contiguous()
         ctx.save_for_backward(a, b)
+        ctx.backward_in_place = backward_in_place
         return _forward(a, b)
 
     @staticmethod
     def backward(ctx, grad_y):
-        return _backward(grad_y.contiguous(), *ctx.saved_tensors)
+        return *_backward(grad_y.contiguous(), *ctx.saved_tensors, in_place=ctx.backward_in_place), None
 
 
-def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b, fused. a, b: same shape and floating dtype."""
+def silu_mul(a: torch.Tensor, b: torch.Tensor, *, backward_in_place: bool = False) -> torch.Tensor:
+    """silu(a) * b, fused. a, b: same shape and floating dtype.
+
+    backward_in_place: the backward writes da and db over a and b instead of two new tensors (two (tokens, d_ff)
+    tensors less at the backward's peak, as Liger-Kernel's gate does). Only for a caller that owns a and b and reads
+    them after the forward through nothing but this gate (our fused SwiGLU: the w1 and w3 products); leaves, the
+    user's own tensors, are refused. Any other autograd user of a or b fails loudly ("modified by an inplace
+    operation"). Under torch.compile the operator path stays out of place (inductor plans its own buffers)."""
     if a.shape != b.shape:
         raise ValueError(f"silu_mul: a and b must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.dtype != b.dtype or not a.dtype.is_floating_point:
@@ -143,4 +159,8 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     check_operator_device("silu_mul", a, b)
     if compiling():
         return silu_mul_op(a, b)
-    return SiluMulFunction.apply(a, b)
+    if backward_in_place and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        if a.is_leaf or b.is_leaf:
+            raise ValueError("silu_mul: backward_in_place=True writes the gradients over a and b, so neither may be a "
+                             "leaf tensor (the caller's own data); got a leaf: pass backward_in_place=False")
+    return SiluMulFunction.apply(a, b, backward_in_place)

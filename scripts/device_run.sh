@@ -241,9 +241,17 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
       done
       ;;
     cross-entropy)
-      # The fused LM head + cross-entropy against lm_head + cross_entropy (and the baseline's chunked loss) at
-      # the leaderboard's shape and a quarter of it: time of loss + gradients, peak memory above the inputs.
+      # Issue 35: the fused LM head + cross-entropy (fp32 dW, and lean: dW in bf16 with Liger's chunks) against
+      # Liger-Kernel, lm_head + cross_entropy and the baseline's chunked loss, at the leaderboard's shape and a
+      # quarter of it: time of loss + gradients, peak memory above the inputs. Then RMSNorm and the SwiGLU gate
+      # against torch and Liger. Liger comes from a carried wheel (run with carry [".whl"]; the machine has no
+      # package registry): pip download liger-kernel==0.8.5 --no-deps -d .whl
+      if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --no-index --target /tmp/liger .whl/liger_kernel-*.whl \
+          && export PYTHONPATH="$PYTHONPATH:/tmp/liger"
+      fi
       python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --no-progress --results-dir "$R" 2>&1 | tail -8
+      python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
       ;;
     leaderboard)
       python3 -m cs336_systems.bench leaderboard --preset tiny --context 256 --verify --param-dtype bf16 \

@@ -99,3 +99,83 @@ def test_backward_makes_no_fp32_copy_of_the_head_gradient(monkeypatch):
     assert (torch.float32, tuple(weight.shape)) not in Outputs.made, Outputs.made
     assert (torch.bfloat16, tuple(weight.shape)) in Outputs.made
     assert weight.grad.dtype == torch.bfloat16
+
+
+def _chunked_in_weight_dtype_reference(h, w, t, chunk):
+    """PyTorch's own error for dW accumulated chunk by chunk in the weight's dtype: the same order of roundings
+    (fp32 softmax gradient rounded to the input dtype, one addmm into a 16-bit dW per chunk)."""
+    grad_w = torch.zeros_like(w)
+    for start in range(0, h.shape[0], chunk):
+        hc, tc = h[start:start + chunk], t[start:start + chunk]
+        probs = torch.softmax((hc @ w.T).float(), dim=-1)
+        probs[torch.arange(hc.shape[0]), tc] -= 1
+        grad_w.addmm_((probs / h.shape[0]).to(w.dtype).T, hc)
+    return grad_w
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_weight_dtype_accumulation_within_budget(dtype):
+    """weight_grad_accumulation="weight": exact where the weight's dtype is fp32/fp64; in bf16 within 2x of
+    PyTorch's error for the same chunked accumulation (one rounding per chunk, as Liger-Kernel)."""
+    from tests._support import assert_within_budget, kernel_device
+
+    device = kernel_device()
+    torch.manual_seed(3)
+    h = torch.randn(96, 32, device=device).to(dtype).requires_grad_()
+    w = (torch.randn(300, 32, device=device) * 0.2).to(dtype).requires_grad_()
+    t = torch.randint(0, 300, (96,), device=device)
+    loss = lm_head_cross_entropy(h, w, t, chunk_tokens=16, weight_grad_accumulation="weight")
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    assert dw.dtype == dtype and dh.dtype == dtype
+    ref = lm_head_cross_entropy_reference(h.detach().double().requires_grad_(), w.detach().double(), t)
+    w64 = w.detach().double().requires_grad_()
+    exact_dw = torch.autograd.grad(lm_head_cross_entropy_reference(h.detach().double(), w64, t), w64)[0]
+    assert torch.isclose(loss.double(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    if dtype == torch.bfloat16:
+        low = _chunked_in_weight_dtype_reference(h.detach().cpu(), w.detach().cpu(), t.cpu(), 16)
+        assert_within_budget("dw", dw.cpu(), exact_dw.cpu(), low)
+    else:
+        torch.testing.assert_close(dw.double(), exact_dw, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("accumulation", ["fp32", "weight"])
+def test_backward_hands_over_its_gradients_without_copies(accumulation, monkeypatch):
+    """The backward scales dH (and a dW already in the weight's dtype) in place: no tensor the size of the hidden
+    states or of the head is made; a second backward through the same loss is refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import cs336_systems.kernels.cross_entropy as ce
+
+    monkeypatch.setattr(ce, "interpreting", lambda: False)  # the eager maths on the CPU
+    hidden = torch.randn(2, 6, 16, requires_grad=True)
+    weight = torch.randn(37, 16, requires_grad=True)
+    loss = lm_head_cross_entropy(hidden, weight, torch.randint(0, 37, (2, 6)), chunk_tokens=5,
+                                 weight_grad_accumulation=accumulation)
+
+    class Outputs(TorchDispatchMode):
+        made: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not (func.is_view or func._schema.is_mutable):  # views and in-place ops make no new storage
+                for t in out if isinstance(out, (tuple, list)) else [out]:
+                    if isinstance(t, torch.Tensor):
+                        self.made.append((func.__name__, tuple(t.shape)))
+            return out
+
+    with Outputs():
+        loss.backward(torch.tensor(0.5))  # the gradients reach .grad as they are (AccumulateGrad steals them)
+    shapes = [shape for _, shape in Outputs.made]
+    assert (12, 16) not in shapes and (2, 6, 16) not in shapes, Outputs.made
+    assert (37, 16) not in shapes, Outputs.made  # dW is in the weight's dtype (fp32 here) either way
+    again = lm_head_cross_entropy(hidden, weight, torch.randint(0, 37, (2, 6)), chunk_tokens=5,
+                                  weight_grad_accumulation=accumulation)
+    again.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        again.backward()
+
+
+def test_weight_grad_accumulation_is_checked():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match="weight_grad_accumulation must be one of fp32, weight, got 'bf16'"):
+        lm_head_cross_entropy(h, w, t, weight_grad_accumulation="bf16")

@@ -252,3 +252,14 @@ def test_benchmarking_script_shows_mean_and_the_warmup_study(tmp_path):
     assert "ours ms (mean ± std)" in section and "20.0 ± 0.2" in section
     assert "0 warm-up" in section and "60.0 ± 90.0" in section and "21.0 ± 1.0" in section
     assert "Without warm-up the mean is 3.0-3.0x" in section
+
+
+def test_fused_ops_section_compares_memory_with_liger(tmp_path):
+    shape = dict(op="swiglu", tokens=32768, width=11008, dtype="bf16")
+    rows = [_row("fused-ops", p, "time", t, **shape) for p, t in (("ours", 1.3), ("liger", 1.4), ("torch", 3.9))]
+    rows += [_row("fused-ops", p, "peak_above_inputs", g, **shape) for p, g in (("ours", 0.67), ("liger", 0.67),
+                                                                                 ("torch", 2.7))]
+    text = _report_from(tmp_path, "fused-ops", rows)
+    section = text[text.index("## Fused RMSNorm and SwiGLU gate"):]
+    assert "ours ms" in section and "liger GiB" in section and "2.7" in section
+    assert "at most Liger-Kernel's in 1 of 1 cases" in section

@@ -21,6 +21,12 @@ through a 16-bit product, an fp32 copy of it and an add. Peak extra memory: one 
 the input dtype, dH and the fp32 dW accumulator. Elsewhere (CPU without the interpreter, fp64) the
 same maths runs eagerly in fp32 (fp64 stays fp64).
 
+`weight_grad_accumulation="weight"` trades precision for memory as Liger-Kernel does: dW accumulates in the
+weight's own dtype (the GEMM's fp32 epilogue adds each chunk and rounds once per chunk, so its error grows with
+the number of chunks), and the backward scales dH and dW in place: then the extra memory is one chunk's logits,
+dH and dW, which is the gradient the weight gets anyway. The eager backward hands over the gradients it formed
+in the forward, so a second backward through the same loss (retain_graph) is refused.
+
 `ignore_index` targets contribute neither loss nor gradient and are left out of the mean.
 `reduction` is "mean" (over non-ignored tokens) or "sum".
 """
@@ -34,6 +40,7 @@ import torch
 from cs336_systems.kernels._triton_utils import compiling, interpreting
 
 REDUCTIONS = ("mean", "sum")
+WEIGHT_GRAD_ACCUMULATIONS = ("fp32", "weight")  # dW accumulated in fp32 (fp64 for fp64), or in the weight's dtype
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_V = 4096  # vocab entries per step of a row's loops
 
@@ -46,7 +53,10 @@ def lm_head_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, 
                                              ignore_index=ignore_index, reduction=reduction)
 
 
-def _validate(hidden, weight, targets, reduction, chunk_tokens):
+def _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation):
+    if weight_grad_accumulation not in WEIGHT_GRAD_ACCUMULATIONS:
+        raise ValueError(f"lm_head_cross_entropy: weight_grad_accumulation must be one of "
+                         f"{', '.join(WEIGHT_GRAD_ACCUMULATIONS)}, got {weight_grad_accumulation!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"lm_head_cross_entropy: reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -147,8 +157,9 @@ def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) ->
 
 
 def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int,
-                        need_hidden: bool, need_weight: bool):
-    """(loss, dLoss/dhidden as (n, d) or None, dLoss/dweight in fp32 (fp64 for fp64) or None), chunk by chunk."""
+                        need_hidden: bool, need_weight: bool, weight_grad_accumulation: str = "fp32"):
+    """(loss, dLoss/dhidden as (n, d) or None, dLoss/dweight or None), chunk by chunk; dW in fp32 (fp64 for
+    fp64), or in the weight's dtype for `weight_grad_accumulation="weight"`."""
     h2d = hidden.reshape(-1, hidden.shape[-1])  # (n, d)
     t1d = targets.reshape(-1)  # (n,)
     valid = t1d != ignore_index
@@ -157,7 +168,8 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 softmax for 16-bit inputs; fp64 stays
     loss = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(h2d) if need_hidden else None
-    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_weight else None
+    grad_w_dtype = weight.dtype if weight_grad_accumulation == "weight" else acc
+    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=grad_w_dtype) if need_weight else None
     kernel = _uses_kernel(hidden)
     for start in range(0, h2d.shape[0], chunk_tokens):
         h = h2d[start:start + chunk_tokens]  # (c, d)
@@ -215,31 +227,51 @@ lm_head_cross_entropy_op.register_autograd(_op_backward, setup_context=_setup_co
 
 
 class LMHeadCrossEntropyFunction(torch.autograd.Function):
-    """The eager path: gradients formed only for the inputs that need them, without the operator's dispatch."""
+    """The eager path: gradients formed only for the inputs that need them, without the operator's dispatch.
+    The backward scales them in place and hands them over (they are this Function's own): no copy of dH, nor of
+    dW where it is already in the weight's dtype."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int):
+    def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int,
+                weight_grad_accumulation: str = "fp32"):
         loss, grad_h, grad_w = _loss_and_gradients(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
-                                                   hidden.requires_grad, weight.requires_grad)
+                                                   hidden.requires_grad, weight.requires_grad,
+                                                   weight_grad_accumulation)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
         ctx.has = (grad_h is not None, grad_w is not None)
+        ctx.handed_over = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.handed_over:
+            raise RuntimeError("lm_head_cross_entropy: a second backward through the same loss is not supported: "
+                               "the first one handed over the gradients formed in the forward (compute the loss "
+                               "again instead of retain_graph=True)")
+        ctx.handed_over = True
         grad_h, grad_w = ctx.saved_tensors
-        dh = (grad_h * grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape) if ctx.has[0] else None
-        dw = _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype) if ctx.has[1] else None
-        return dh, dw, None, None, None, None
+        dh = grad_h.mul_(grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape) if ctx.has[0] else None
+        dw = None
+        if ctx.has[1]:
+            dw = (grad_w.mul_(grad_loss.to(grad_w.dtype)) if grad_w.dtype == ctx.weight_dtype
+                  else _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype))
+        return dh, dw, None, None, None, None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                          ignore_index: int = -100, reduction: str = "mean", chunk_tokens: int = 4096
-                          ) -> torch.Tensor:
-    """cross_entropy(hidden @ weight^T, targets) without the full logits. hidden (..., d), weight (vocab, d)."""
-    _validate(hidden, weight, targets, reduction, chunk_tokens)
+                          ignore_index: int = -100, reduction: str = "mean", chunk_tokens: int = 4096,
+                          weight_grad_accumulation: str = "fp32") -> torch.Tensor:
+    """cross_entropy(hidden @ weight^T, targets) without the full logits. hidden (..., d), weight (vocab, d).
+
+    weight_grad_accumulation: "fp32" (default) accumulates dW over the token chunks in fp32 and rounds once;
+    "weight" accumulates it in the weight's dtype (less memory, as Liger-Kernel; one rounding per chunk)."""
+    _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation)
     if compiling():
+        if weight_grad_accumulation != "fp32":
+            raise ValueError("lm_head_cross_entropy: under torch.compile dW accumulates in fp32; "
+                             f"weight_grad_accumulation={weight_grad_accumulation!r} is for eager mode")
         return lm_head_cross_entropy_op(hidden, weight, targets, ignore_index, reduction, chunk_tokens)[0]
-    return LMHeadCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, chunk_tokens)
+    return LMHeadCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
+                                            weight_grad_accumulation)

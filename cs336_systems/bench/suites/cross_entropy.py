@@ -7,7 +7,12 @@ inputs.
 
 Providers:
   fused     ours, `kernels.cross_entropy.lm_head_cross_entropy`: token chunks, the chunk's logits only,
-            one Triton softmax-gradient kernel per chunk on CUDA.
+            one Triton softmax-gradient kernel per chunk on CUDA, dW accumulated in fp32.
+  fused-lean  ours with Liger-Kernel's memory choices: dW accumulated in the weight's dtype
+            (`weight_grad_accumulation="weight"`) and chunks sized as Liger sizes its own (`lean_chunk_tokens`:
+            about tokens / (vocab / d_model), a power of two), so the logits chunk is about the size of dH.
+  liger     Liger-Kernel's `liger_fused_linear_cross_entropy` (accum_dtype None: dW in the weight's dtype), when
+            the `liger-kernel` package is installed; the default list takes it only then.
   plain     `F.cross_entropy(h @ W^T in fp32, t)`: the whole (tokens, vocab) logits, upcast to fp32 as
             cs336_basics does (fp64 stays fp64).
   chunked   the leaderboard baseline's loss: the same per chunk, each chunk checkpointed, so its logits
@@ -22,6 +27,7 @@ provider (chunked executes a fourth). Out-of-memory cases are result rows.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
@@ -37,7 +43,7 @@ from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
 
-PROVIDERS = ("fused", "plain", "chunked")
+PROVIDERS = ("fused", "fused-lean", "plain", "chunked", "liger")
 # The leaderboard's loss: one 32k sequence, Qwen-sized vocab, d_model 4096 (CUDA default); a CPU-sized one.
 CUDA_DEFAULT = dict(tokens=[32768], vocab=[151936], d_model=[4096], dtype=["bf16"])
 CPU_DEFAULT = dict(tokens=[512], vocab=[2048], d_model=[128], dtype=["fp32"])
@@ -64,26 +70,46 @@ def add_arguments(parser) -> None:
                         help="comma-separated hidden sizes (default: 4096 on CUDA, 128 on CPU)")
     parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=None,
                         help="comma-separated from: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
-    parser.add_argument("--provider", type=common.list_of(str, PROVIDERS, "--provider"), default=list(PROVIDERS),
-                        help=f"comma-separated from: {', '.join(PROVIDERS)} (default: all)")
+    parser.add_argument("--provider", type=common.list_of(str, PROVIDERS, "--provider"), default=None,
+                        help=f"comma-separated from: {', '.join(PROVIDERS)} (default: all; liger only where "
+                             "liger-kernel is installed)")
     parser.add_argument("--chunk-tokens", type=common.positive_int("--chunk-tokens"), default=4096,
                         help="token chunk of the fused and the chunked losses (default 4096)")
     parser.add_argument("--warmup-ms", type=float, default=100.0, help="do_bench warm-up time per case")
     parser.add_argument("--rep-ms", type=float, default=1000.0, help="do_bench repetition time per case")
 
 
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def lean_chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
+    """Liger-Kernel's chunk size for its fused linear cross-entropy: tokens / ceil(vocab / d_model), rounded up to
+    a power of two, so that a chunk's logits (chunk x vocab) are about the size of the hidden states."""
+    chunk = -(-tokens // -(-vocab // d_model))
+    return 1 << (chunk - 1).bit_length()
+
+
 def cases(args) -> list[LossCase]:
     default = CUDA_DEFAULT if args.device.type == "cuda" else CPU_DEFAULT
-    axes = [args.provider, args.tokens or default["tokens"], args.vocab or default["vocab"],
+    providers = args.provider or [p for p in PROVIDERS if p != "liger" or liger_available()]
+    axes = [providers, args.tokens or default["tokens"], args.vocab or default["vocab"],
             args.d_model or default["d_model"], args.dtype or default["dtype"]]
-    return [LossCase(p, n, v, d, dt, args.chunk_tokens) for n, v, d, dt, p in
-            itertools.product(*axes[1:], axes[0])]
+    return [LossCase(p, n, v, d, dt, lean_chunk_tokens(n, v, d) if p == "fused-lean" else args.chunk_tokens)
+            for n, v, d, dt, p in itertools.product(*axes[1:], axes[0])]
 
 
 def loss_fn(provider: str, chunk_tokens: int):
     """(hidden (n, d), weight (vocab, d), targets (n,)) -> mean loss, by the named implementation."""
     if provider == "fused":
         return lambda h, w, t: lm_head_cross_entropy(h, w, t, chunk_tokens=chunk_tokens)
+    if provider == "fused-lean":
+        return lambda h, w, t: lm_head_cross_entropy(h, w, t, chunk_tokens=chunk_tokens,
+                                                     weight_grad_accumulation="weight")
+    if provider == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t)
     if provider == "plain":
         return lambda h, w, t: F.cross_entropy((h @ w.T).to(torch.promote_types(h.dtype, torch.float32)), t)
     if provider == "chunked":
@@ -93,6 +119,10 @@ def loss_fn(provider: str, chunk_tokens: int):
 
 
 def run(args) -> int:
+    if "liger" in (args.provider or []) and not liger_available():  # before any case runs
+        raise SystemExit("cs336-bench cross-entropy: --provider liger needs the liger-kernel package "
+                         "(pip install liger-kernel); allowed without it: "
+                         + ", ".join(p for p in PROVIDERS if p != "liger"))
     store = ResultStore("cross-entropy", args.device, args.results_dir)
     for case in tqdm(cases(args), desc="cross-entropy", disable=args.no_progress):
         _run_case(case, args, store)
@@ -164,7 +194,7 @@ def summary_table(frame: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
     table = cells.pivot_table(index=CASE_KEYS, columns="provider", values="cell", aggfunc="last")
     table.columns = [f"{c} ms" for c in table.columns]
     ok = times[times["status"] == "ok"].pivot_table(index=CASE_KEYS, columns="provider", values="median")
-    for base in ("plain", "chunked"):
+    for base in ("plain", "chunked", "liger"):
         if {"fused", base} <= set(ok.columns):
             table[f"fused speed-up vs {base}"] = (ok[base] / ok["fused"]).round(2)
     for metric, label, rounding in (("peak_above_inputs", "peak GiB", 2), ("tflops", "TFLOP/s", 1)):

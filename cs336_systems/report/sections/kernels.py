@@ -83,9 +83,35 @@ def fused_cross_entropy(doc: Document, r: Results) -> None:
     times = rows[rows["metric"] == "time"]
     table = summary_table(rows, digits=1)
     doc.add(Paragraph("`cs336-bench cross-entropy`: the loss and its gradients for the hidden states and the head "
-                      "weight, one forward and backward, timed by do_bench. fused is ours; plain is "
+                      "weight, one forward and backward, timed by do_bench. fused is ours (dW accumulated in fp32); "
+                      "fused-lean is ours with Liger-Kernel's memory choices (dW in the weight's dtype, Liger's chunk "
+                      "size); liger is Liger-Kernel's fused linear cross-entropy; plain is "
                       "F.cross_entropy on the whole fp32-upcast logits; chunked is the leaderboard baseline's loss "
                       f"({shared_value(col(times, 'chunk_tokens'))}-token chunks, each checkpointed). TFLOP/s counts "
                       "the three GEMMs (logits, dH, dW) "
                       "for every provider; peak is the memory allocated above the inputs. " + environment(times)))
     doc.add(Table(table, "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
+
+
+def fused_ops(doc: Document, r: Results) -> None:
+    """Issue 35: our fused RMSNorm and SwiGLU gate against torch and Liger-Kernel, time and memory."""
+    doc.add(Heading("Fused RMSNorm and SwiGLU gate against torch and Liger-Kernel"))
+    frame = r.frame("fused-ops")
+    rows = frame[col(frame, "device") == "cuda"]
+    if rows.empty:
+        return r.note_missing(doc, "fused RMSNorm / SwiGLU", "`cs336-bench fused-ops` rows (`bash "
+                              "scripts/device_run.sh cross-entropy`, GPU, with the liger-kernel wheel carried)")
+    from cs336_systems.bench.suites.fused_ops import CASE_KEYS, summary_table
+
+    rows = latest(rows, ["provider", *CASE_KEYS, "metric"])
+    doc.add(Paragraph("`cs336-bench fused-ops`: each op and its backward, timed by do_bench; GiB is the memory "
+                      "allocated above the inputs and the incoming gradient at the peak. Our gate (`ours`) writes "
+                      "its gradients over its inputs as our fused model runs it; `ours-out-of-place` makes new "
+                      "ones. " + environment(rows)))
+    doc.add(Table(summary_table(rows), "median ms and GiB above the inputs"))
+    peaks = rows[rows["metric"] == "peak_above_inputs"].pivot_table(index=CASE_KEYS, columns="provider",
+                                                                      values="median", aggfunc="last")
+    if {"ours", "liger"} <= set(peaks.columns):
+        within = (peaks["ours"] <= peaks["liger"] + 1e-3).dropna()
+        doc.add(Paragraph(f"Our extra memory is at most Liger-Kernel's in {int(within.sum())} of {len(within)} "
+                          "cases (the target for the gate: all of them)."))

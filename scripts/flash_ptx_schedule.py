@@ -97,12 +97,17 @@ def kernels(dtype: str) -> dict:
 
 def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:
     constexprs = dict(constexprs)
-    for name in fn.arg_names:
-        if name.startswith("stride_") and name.endswith("d"):
-            constexprs[name] = 1  # the JIT specialises an argument equal to 1 into a constant
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
+        if name.endswith("_strides"):
+            # A tensor's strides, one tuple argument, specialised element by element as the JIT does: (batch,
+            # head, row) strides divisible by 16, and in the tl kernels a unit stride along d, a constant.
+            count = 3 if gluon else 4
+            signature[name] = ("i32",) * 3 + ("constexpr",) * (count - 3)
+            attrs |= {(i, j): [["tt.divisibility", 16]] for j in range(3)}
+            if count == 4:
+                constexprs[(i, 3)] = 1
+        elif name in constexprs:
             signature[name] = "constexpr"
         elif name in pointers:
             signature[name] = pointers[name]

@@ -217,6 +217,24 @@ def test_kernel_spec_follows_the_compiled_signature():
     assert integers[3:5] == [1000, 2**40] and reals[5] == 0.125 and integers[6] == 1
 
 
+def test_kernel_spec_flattens_stride_tuples_as_tritons_launcher_does():
+    """A tensor's strides arrive as one tuple parameter; the JIT specialises each element (a stride of 1 becomes a
+    constexpr) and Triton's launcher passes the others depth first, one scalar each."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    captured = _fake_capture()
+    signature = dict(_FakeKernel.src.signature, n=("i32", "i32", "constexpr"), big=(("i64", "constexpr"), "i32"))
+    captured.compiled = type("Strided", (_FakeKernel,), {"src": type("src", (), {"signature": signature})})()
+    captured.values[3], captured.values[4] = (4096, 64, 1), ((2**40, 1), 7)
+    _, _, kinds, integers, _ = native_launch.kernel_spec(captured)
+    names = [native_launch.ARG_KINDS[k] for k in kinds]
+    assert names == ["tensor", "tensor", "null", "i32", "i32", "i64", "i32", "fp32", "u8"]
+    assert integers[3:7] == [4096, 64, 2**40, 7]
+    pointer_inside = dict(signature, n=("*fp32", "i32"))
+    captured.compiled = type("Pointer", (_FakeKernel,), {"src": type("src", (), {"signature": pointer_inside})})()
+    assert native_launch.kernel_spec(captured) is None
+
+
 def test_kernel_spec_refuses_scalars_it_cannot_pack():
     from cs336_systems.kernels.flash_attention import native_launch
 

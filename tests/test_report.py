@@ -262,4 +262,4 @@ def test_fused_ops_section_compares_memory_with_liger(tmp_path):
     text = _report_from(tmp_path, "fused-ops", rows)
     section = text[text.index("## Fused RMSNorm and SwiGLU gate"):]
     assert "ours ms" in section and "liger GiB" in section and "2.7" in section
-    assert "at most Liger-Kernel's in 1 of 1 cases" in section
+    assert "ours's extra memory is at most Liger-Kernel's in 1 of 1 cases" in section

@@ -143,3 +143,47 @@ def is_oom(error: BaseException) -> bool:
     return (isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
             or "can't allocate memory" in text)
 
+
+
+def peak_above_inputs(step, device: torch.device, leaves: list[torch.Tensor]) -> int | None:
+    """Bytes allocated at the peak of one call of `step` beyond what was allocated before it (CUDA; elsewhere the
+    call runs and None is returned). The leaves' gradients are cleared first, so the gradients the step makes
+    count."""
+    if device.type != "cuda":
+        step()
+        return None
+    for t in leaves:
+        t.grad = None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def time_and_peak(make_step, device: torch.device, store, provider: str, config: dict, *, warmup_ms: float,
+                  rep_ms: float, extra_rows=None) -> None:
+    """One case of an op benchmark: `make_step()` -> (step, leaves); the step's do_bench time and its peak above
+    the inputs become rows (`extra_rows(timing)` may add more); an out-of-memory case is a row of its own."""
+    from cs336_systems.profiling.timing import bench_kernel
+
+    free_memory(device)
+    try:
+        step, leaves = make_step()
+        peak = peak_above_inputs(step, device, leaves)
+        timing = bench_kernel(step, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms, grad_to_none=leaves)
+    except Exception as error:
+        if not is_oom(error):
+            raise
+        store.add(provider=provider, config=config, metric="time", unit="ms", status="oom",
+                  message=error_message(error))
+        return
+    finally:
+        step = leaves = None
+        free_memory(device)
+    store.add(provider=provider, config=config, metric="time", unit="ms", stats=timing.stats())
+    for metric, unit, value in (extra_rows(timing) if extra_rows else ()):
+        store.add(provider=provider, config=config, metric=metric, unit=unit, value=value)
+    if peak is not None:
+        store.add(provider=provider, config=config, metric="peak_above_inputs", unit="GiB", value=peak / 2**30)

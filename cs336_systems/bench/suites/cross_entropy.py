@@ -40,7 +40,6 @@ from tqdm import tqdm
 from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import chunked_cross_entropy
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
-from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
 
 PROVIDERS = ("fused", "fused-lean", "plain", "chunked", "liger")
@@ -133,8 +132,8 @@ def run(args) -> int:
 def _run_case(case: LossCase, args, store: ResultStore) -> None:
     device = args.device
     config = {k: v for k, v in asdict(case).items() if k != "provider"}
-    common.free_memory(device)
-    try:
+
+    def make_step():
         generator = torch.Generator(device).manual_seed(0)
         dtype = common.DTYPES[case.dtype]
         hidden = torch.randn(case.tokens, case.d_model, device=device, dtype=dtype, generator=generator)
@@ -148,39 +147,12 @@ def _run_case(case: LossCase, args, store: ResultStore) -> None:
         def step():
             loss(hidden, weight, targets).backward()
 
-        peak = _peak_above_inputs(step, device, [hidden, weight])
-        timing = bench_kernel(step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                              grad_to_none=[hidden, weight])
-    except Exception as error:
-        if not common.is_oom(error):
-            raise
-        store.add(provider=case.provider, config=config, metric="time", unit="ms", status="oom",
-                  message=common.error_message(error))
-        return
-    finally:
-        hidden = weight = targets = None
-        common.free_memory(device)
-    store.add(provider=case.provider, config=config, metric="time", unit="ms", stats=timing.stats())
-    flops = 3 * 2.0 * case.tokens * case.vocab * case.d_model
-    store.add(provider=case.provider, config=config, metric="tflops", unit="TFLOP/s",
-              value=flops / timing.median / 1e12)
-    if peak is not None:
-        store.add(provider=case.provider, config=config, metric="peak_above_inputs", unit="GiB", value=peak / 2**30)
+        return step, [hidden, weight]
 
-
-def _peak_above_inputs(step, device: torch.device, inputs: list[torch.Tensor]) -> int | None:
-    """Bytes allocated at the peak of one step beyond what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        step()
-        return None
-    for t in inputs:
-        t.grad = None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    flops = 3 * 2.0 * case.tokens * case.vocab * case.d_model  # logits, dH, dW
+    common.time_and_peak(make_step, device, store, case.provider, config, warmup_ms=args.warmup_ms,
+                         rep_ms=args.rep_ms,
+                         extra_rows=lambda timing: [("tflops", "TFLOP/s", flops / timing.median / 1e12)])
 
 
 CASE_KEYS = ["tokens", "vocab", "d_model", "dtype"]

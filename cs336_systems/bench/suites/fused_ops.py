@@ -30,7 +30,6 @@ from cs336_systems.bench import common
 from cs336_systems.bench.suites.cross_entropy import liger_available
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.swiglu import silu_mul
-from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
 
 OPS = ("rmsnorm", "swiglu")
@@ -144,44 +143,9 @@ def run(args) -> int:
 
 
 def _run_case(case: OpCase, args, store: ResultStore) -> None:
-    device = args.device
     config = {k: v for k, v in asdict(case).items() if k != "provider"}
-    common.free_memory(device)
-    try:
-        step, leaves = step_fn(case, device)
-        peak = _peak_above_inputs(step, device, leaves)
-        timing = bench_kernel(step, device=device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                              grad_to_none=leaves)
-    except Exception as error:
-        if not common.is_oom(error):
-            raise
-        store.add(provider=case.provider, config=config, metric="time", unit="ms", status="oom",
-                  message=common.error_message(error))
-        return
-    finally:
-        step = leaves = None
-        common.free_memory(device)
-    store.add(provider=case.provider, config=config, metric="time", unit="ms", stats=timing.stats())
-    if peak is not None:
-        store.add(provider=case.provider, config=config, metric="peak_above_inputs", unit="GiB",
-                  value=peak / 2**30)
-
-
-def _peak_above_inputs(step, device: torch.device, leaves: list[torch.Tensor]) -> int | None:
-    """Bytes allocated at the peak of one step beyond what was allocated before it (CUDA only); the leaves'
-    gradients are cleared first, so the gradients the step makes count (the in-place backwards hand theirs over
-    in the inputs' own memory)."""
-    if device.type != "cuda":
-        step()
-        return None
-    for t in leaves:
-        t.grad = None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    common.time_and_peak(lambda: step_fn(case, args.device), args.device, store, case.provider, config,
+                         warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
 
 
 CASE_KEYS = ["op", "tokens", "width", "dtype"]

@@ -44,8 +44,8 @@ from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_m
 
 
 @triton.jit
-def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride_on, stride_od, stride_dob,
-                            stride_doh, stride_don, stride_dod, stride_accum_bh, n_heads, n_queries, head_dim,
+def flash_preprocess_kernel(O, dO, Delta, DQ_accum, o_strides, do_strides, stride_accum_bh, n_heads, n_queries,
+                            head_dim,
                             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr = False):
     """D = rowsum(O * dO) per query row; with ZERO_DQ, also zeroes the one-pass backward's fp32 dQ accumulator
     (rows of BLOCK_D values, `stride_accum_bh` apart per (batch, head)) in those rows, which saves a launch of
@@ -53,10 +53,8 @@ def flash_preprocess_kernel(O, dO, Delta, DQ_accum, stride_ob, stride_oh, stride
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     m0 = tl.program_id(0) * BLOCK_M
-    o_block = tiles.row_block(tiles.head_base(O, b, h, stride_ob, stride_oh), n_queries, head_dim, stride_on,
-                              stride_od, m0, BLOCK_M, BLOCK_D)
-    do_block = tiles.row_block(tiles.head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don,
-                               stride_dod, m0, BLOCK_M, BLOCK_D)
+    o_block = tiles.head_tile(O, b, h, o_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
+    do_block = tiles.head_tile(dO, b, h, do_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
     o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -248,12 +246,7 @@ _BACKWARD_KEY = ["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL", "P
 
 @triton.jit
 def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
-                      stride_qb, stride_qh, stride_qn, stride_qd,
-                      stride_kb, stride_kh, stride_kn, stride_kd,
-                      stride_vb, stride_vh, stride_vn, stride_vd,
-                      stride_dob, stride_doh, stride_don, stride_dod,
-                      stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                      q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -270,14 +263,12 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         dq_target = DQ_ACCUM + batch_head.to(tl.int64) * n_queries * BLOCK_D
     else:
         dq_target = DQ_ACCUM  # unused (None)
-    k_block = tiles.row_block(tiles.head_base(K, b, h, stride_kb, stride_kh), n_keys, head_dim, stride_kn, stride_kd,
-                              n0, BLOCK_N, BLOCK_D)
-    v_block = tiles.row_block(tiles.head_base(V, b, h, stride_vb, stride_vh), n_keys, head_dim, stride_vn, stride_vd,
-                              n0, BLOCK_N, BLOCK_D)
-    q_base = tiles.head_base(Q, b, h, stride_qb, stride_qh)
-    do_base = tiles.head_base(dO, b, h, stride_dob, stride_doh)
-    qT_block = tiles.operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, True, USE_TMA)
-    do_block = tiles.operand_tiles(do_base, n_queries, head_dim, stride_don, stride_dod, BLOCK_M, BLOCK_D, False,
+    k_block = tiles.head_tile(K, b, h, k_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
+    v_block = tiles.head_tile(V, b, h, v_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
+    q_base = tiles.head_base(Q, b, h, q_strides)
+    do_base = tiles.head_base(dO, b, h, do_strides)
+    qT_block = tiles.operand_tiles(q_base, n_queries, head_dim, q_strides, BLOCK_M, BLOCK_D, True, USE_TMA)
+    do_block = tiles.operand_tiles(do_base, n_queries, head_dim, do_strides, BLOCK_M, BLOCK_D, False,
                              USE_TMA)
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
@@ -307,10 +298,8 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
-    dk_block = tiles.row_block(tiles.head_base(dK, b, h, stride_dkb, stride_dkh), n_keys, head_dim, stride_dkn,
-                               stride_dkd, n0, BLOCK_N, BLOCK_D)
-    dv_block = tiles.row_block(tiles.head_base(dV, b, h, stride_dvb, stride_dvh), n_keys, head_dim, stride_dvn,
-                               stride_dvd, n0, BLOCK_N, BLOCK_D)
+    dk_block = tiles.head_tile(dK, b, h, dk_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
+    dv_block = tiles.head_tile(dV, b, h, dv_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
     tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
     tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
 
@@ -329,25 +318,19 @@ flash_bwd_fused_kernel = triton.autotune(
                  prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_TILE_FAMILIES)})
 @triton.jit
 def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
-                    stride_qb, stride_qh, stride_qn, stride_qd,
-                    stride_kb, stride_kh, stride_kn, stride_kd,
-                    stride_vb, stride_vh, stride_vn, stride_vd,
-                    stride_dob, stride_doh, stride_don, stride_dod,
-                    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+                    q_strides, k_strides, v_strides, do_strides, dq_strides,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     USE_TMA: tl.constexpr = False):
     query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     m0 = query_tile * BLOCK_M
-    q_block = tiles.row_block(tiles.head_base(Q, b, h, stride_qb, stride_qh), n_queries, head_dim, stride_qn,
-                              stride_qd, m0, BLOCK_M, BLOCK_D)
-    do_block = tiles.row_block(tiles.head_base(dO, b, h, stride_dob, stride_doh), n_queries, head_dim, stride_don,
-                               stride_dod, m0, BLOCK_M, BLOCK_D)
-    k_base = tiles.head_base(K, b, h, stride_kb, stride_kh)
-    v_base = tiles.head_base(V, b, h, stride_vb, stride_vh)
-    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
-    vT_block = tiles.operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, True, USE_TMA)
+    q_block = tiles.head_tile(Q, b, h, q_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
+    do_block = tiles.head_tile(dO, b, h, do_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
+    k_base = tiles.head_base(K, b, h, k_strides)
+    v_base = tiles.head_base(V, b, h, v_strides)
+    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, k_strides, BLOCK_N, BLOCK_D, True, USE_TMA)
+    vT_block = tiles.operand_tiles(v_base, n_keys, head_dim, v_strides, BLOCK_N, BLOCK_D, True, USE_TMA)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")
@@ -360,8 +343,7 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
                        False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
                        True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
-    dq_block = tiles.row_block(tiles.head_base(dQ, b, h, stride_dqb, stride_dqh), n_queries, head_dim, stride_dqn,
-                               stride_dqd, m0, BLOCK_M, BLOCK_D)
+    dq_block = tiles.head_tile(dQ, b, h, dq_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
 
 

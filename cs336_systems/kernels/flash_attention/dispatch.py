@@ -140,7 +140,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         return launch, out, lse
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E.value / math.sqrt(head_dim)
-    args = (q4, k4, v4, o4, lse, *q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(),
+    args = (q4, k4, v4, o4, lse, q4.stride(), k4.stride(), v4.stride(), o4.stride(),
             heads, n_queries, n_keys, head_dim, qk_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if use_tma and tma_eligible(q4, k4, v4, o4):
@@ -309,7 +309,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     accum_args = (dq_accum, dq_accum.stride(0)) if dq_accum is not None else (None, 0)
     preprocess = FixedLaunch(
         flash_preprocess_kernel,
-        (o4, do4, delta, accum_args[0], *o4.stride(), *do4.stride(), accum_args[1], heads, n_queries, head_dim),
+        (o4, do4, delta, accum_args[0], o4.stride(), do4.stride(), accum_args[1], heads, n_queries, head_dim),
         dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
         (triton.cdiv(n_queries, preprocess_rows), batch * heads))
     sm_scale = 1.0 / math.sqrt(head_dim)
@@ -322,7 +322,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         return (preprocess, dkdv, None), buffers
 
     common = (q4, k4, v4, do4, lse, delta)
-    strides = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
+    strides = (q4.stride(), k4.stride(), v4.stride(), do4.stride())  # each tensor's strides: one tuple argument
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E.value, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
     if choice.kernels[0].endswith("-tma"):
@@ -334,7 +334,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     if choice.accumulator == "tl":
         # dQ reduced by TMA descriptor reduce-add on Hopper and later, by pointer atomics elsewhere.
         dkdv = KernelLaunch(flash_bwd_fused_kernel,
-                            (*common, dk4, dv4, dq_accum, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+                            (*common, dk4, dv4, dq_accum, *strides, dk4.stride(), dv4.stride(), *sizes),
                             flags | dict(DQ_REDUCE=2 if has_tma(q.device) else 1), key_grid)
         return (preprocess, dkdv, None), buffers
     dq4 = _as_4d(buffers["dq"])
@@ -342,10 +342,10 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
                                                                is_causal, sm_scale)
     dkdv = gluon_dkdv if choice.kernels[0] == "dkdv-gluon" else KernelLaunch(
-        flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, *dk4.stride(), *dv4.stride(), *sizes),
+        flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, dk4.stride(), dv4.stride(), *sizes),
         flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = gluon_dq if choice.kernels[1] == "dq-gluon" else KernelLaunch(
-        flash_dq_kernel, (*common, dq4, *strides, *dq4.stride(), *sizes), flags,
+        flash_dq_kernel, (*common, dq4, *strides, dq4.stride(), *sizes), flags,
         lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return (preprocess, dkdv, dq_pass), buffers
 

@@ -102,24 +102,21 @@ def _prune_forward_configs(configs, named_args, **kwargs):
                  prune_configs_by={"early_config_prune": _prune_forward_configs})
 @triton.jit
 def flash_forward_kernel(Q, K, V, O, L,
-                         stride_qb, stride_qh, stride_qn, stride_qd,
-                         stride_kb, stride_kh, stride_kn, stride_kd,
-                         stride_vb, stride_vh, stride_vn, stride_vd,
-                         stride_ob, stride_oh, stride_on, stride_od,
+                         q_strides, k_strides, v_strides, o_strides,
                          n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
                          IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          USE_TMA: tl.constexpr = False):
     query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_base = tiles.head_base(Q, b, h, stride_qb, stride_qh)
-    k_base = tiles.head_base(K, b, h, stride_kb, stride_kh)
-    v_base = tiles.head_base(V, b, h, stride_vb, stride_vh)
-    o_base = tiles.head_base(O, b, h, stride_ob, stride_oh)
+    q_base = tiles.head_base(Q, b, h, q_strides)
+    k_base = tiles.head_base(K, b, h, k_strides)
+    v_base = tiles.head_base(V, b, h, v_strides)
+    o_base = tiles.head_base(O, b, h, o_strides)
     m0 = query_tile * BLOCK_M
 
-    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, stride_kn, stride_kd, BLOCK_N, BLOCK_D, True, USE_TMA)
-    v_block = tiles.operand_tiles(v_base, n_keys, head_dim, stride_vn, stride_vd, BLOCK_N, BLOCK_D, False, USE_TMA)
-    q_tiles = tiles.operand_tiles(q_base, n_queries, head_dim, stride_qn, stride_qd, BLOCK_M, BLOCK_D, False, USE_TMA)
+    kT_block = tiles.operand_tiles(k_base, n_keys, head_dim, k_strides, BLOCK_N, BLOCK_D, True, USE_TMA)
+    v_block = tiles.operand_tiles(v_base, n_keys, head_dim, v_strides, BLOCK_N, BLOCK_D, False, USE_TMA)
+    q_tiles = tiles.operand_tiles(q_base, n_queries, head_dim, q_strides, BLOCK_M, BLOCK_D, False, USE_TMA)
     if not USE_TMA:
         q_tiles = tl.advance(q_tiles, (m0, 0))
     q = tiles.load_tile(q_tiles, m0, True, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
@@ -137,10 +134,10 @@ def flash_forward_kernel(Q, K, V, O, L,
 
     out = acc / l_i[:, None]
     if USE_TMA:
-        tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[stride_on, 1],
+        tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[o_strides[2], 1],
                                   block_shape=[BLOCK_M, BLOCK_D]).store([m0, 0], out.to(O.dtype.element_ty))
     else:
-        o_block = tiles.row_block(o_base, n_queries, head_dim, stride_on, stride_od, m0, BLOCK_M, BLOCK_D)
+        o_block = tiles.row_block(o_base, n_queries, head_dim, o_strides, m0, BLOCK_M, BLOCK_D)
         tl.store(o_block, out.to(O.dtype.element_ty), boundary_check=(0, 1))
     lse = (m_i + tl.math.log2(l_i)) / LOG2E  # back to natural log
     tl.store(L + batch_head.to(tl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)

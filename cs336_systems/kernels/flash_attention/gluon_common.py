@@ -55,14 +55,20 @@ def row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.c
 
 
 @gluon.jit
-def backward_input_tiles(Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys,
+def head_row_tiles(ptr, b, h, strides, n_rows, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """`row_tiles` of batch b, head h's matrix; `strides`: the tensor's (batch, head, row) strides, one tuple
+    argument (`row_strides`)."""
+    return row_tiles(ptr + b * strides[0] + h * strides[1], n_rows, strides[2], BLOCK_ROWS, HEAD_DIM)
+
+
+@gluon.jit
+def backward_input_tiles(Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The backward's input descriptors of batch b, head h: (Q, dO) in BLOCK_M-row tiles, (K, V) in BLOCK_N."""
-    q_desc = row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    do_desc = row_tiles(dO + b * stride_dob + h * stride_doh, n_queries, stride_don, BLOCK_M, HEAD_DIM)
-    k_desc = row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc = head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
+    do_desc = head_row_tiles(dO, b, h, do_strides, n_queries, BLOCK_M, HEAD_DIM)
+    k_desc = head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
+    v_desc = head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
     return q_desc, do_desc, k_desc, v_desc
 
 
@@ -151,12 +157,13 @@ def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_C
 
 
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)  # (batch, head, row); d is unit-stride (`eligible`)
+    """A tensor's (batch, head, row) strides, the kernels' tuple argument; d is unit-stride (`eligible`)."""
+    return t.stride(0), t.stride(1), t.stride(2)
 
 
 def input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
     """(row strides of Q, K, V, dO; sizes and scales) in the kernels' argument order."""
-    strides = (*row_strides(q4), *row_strides(k4), *row_strides(v4), *row_strides(do4))
+    strides = (row_strides(q4), row_strides(k4), row_strides(v4), row_strides(do4))
     sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * LOG2E.value, sm_scale)
     return strides, sizes
 

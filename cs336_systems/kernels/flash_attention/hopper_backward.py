@@ -223,9 +223,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
 
 @gluon.jit
 def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
-                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                            stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                            stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                            q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
@@ -239,8 +237,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
                                                                                           v_desc, STAGES)
@@ -319,8 +316,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    dk_desc = gluon_common.row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, BLOCK_N, HEAD_DIM)
-    dv_desc = gluon_common.row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, BLOCK_N, HEAD_DIM)
+    dk_desc = gluon_common.head_row_tiles(dK, b, h, dk_strides, n_keys, BLOCK_N, HEAD_DIM)
+    dv_desc = gluon_common.head_row_tiles(dV, b, h, dv_strides, n_keys, BLOCK_N, HEAD_DIM)
     gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
 
 
@@ -355,9 +352,7 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
 
 @gluon.jit
 def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
-                          stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                          stride_dqb, stride_dqh, stride_dqn,
+                          q_strides, k_strides, v_strides, do_strides, dq_strides,
                           n_heads, n_queries, n_keys, qk_scale, sm_scale,
                           IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QDO_REGS: gl.constexpr = 0):
@@ -371,8 +366,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -426,7 +420,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(slot))
     gl.thread_barrier()
-    dq_desc = gluon_common.row_tiles(dQ + b * stride_dqb + h * stride_dqh, n_queries, stride_dqn, BLOCK_M, HEAD_DIM)
+    dq_desc = gluon_common.head_row_tiles(dQ, b, h, dq_strides, n_queries, BLOCK_M, HEAD_DIM)
     q_smem.store((dq * sm_scale).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
@@ -444,11 +438,11 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, None, *strides, *gluon_common.row_strides(dk4),
-                      *gluon_common.row_strides(dv4), *sizes, 0),
+                     (*common, dk4, dv4, None, *strides, gluon_common.row_strides(dk4),
+                      gluon_common.row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
-    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, *gluon_common.row_strides(dq4), *sizes),
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
@@ -471,7 +465,7 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *gluon_common.row_strides(dk4),
-                      *gluon_common.row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
+                      gluon_common.row_strides(dv4), *sizes, dq_rows),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

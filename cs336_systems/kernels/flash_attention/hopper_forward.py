@@ -171,8 +171,7 @@ def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, 
 
 @gluon.jit
 def flash_forward_gluon_kernel(Q, K, V, O, L,
-                               stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                               stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                               q_strides, k_strides, v_strides, o_strides,
                                n_heads, n_queries, n_keys, qk_scale,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESCALE_EARLY: gl.constexpr = True):
@@ -186,9 +185,9 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = gluon_common.row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, BLOCK_M, HEAD_DIM)
-    k_desc = gluon_common.row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = gluon_common.row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
+    q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
+    k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
+    v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -249,7 +248,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     # Q's buffer takes O on its way out (TMA clips rows past n_queries).
     l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
     gl.thread_barrier()
-    o_desc = gluon_common.row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, BLOCK_M, HEAD_DIM)
+    o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, BLOCK_M, HEAD_DIM)
     q_smem.store((acc / l_acc[:, None]).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
@@ -268,7 +267,7 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     batch, heads, n_queries, head_dim = q4.shape
     if warp_specialised is None:
         warp_specialised = head_dim in WARP_SPECIALISED_HEAD_DIMS
-    strides = [stride for t in (q4, k4, v4, o4) for stride in gluon_common.row_strides(t)]
+    strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads)  # noqa: E731
@@ -381,8 +380,7 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
 
 @gluon.jit
 def flash_forward_ws_kernel(Q, K, V, O, L,
-                            stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                            stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                            q_strides, k_strides, v_strides, o_strides,
                             n_heads, n_queries, n_keys, qk_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240):
@@ -393,10 +391,10 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = gluon_common.row_tiles(Q + b * stride_qb + h * stride_qh, n_queries, stride_qn, WS_CONSUMER_ROWS, HEAD_DIM)
-    k_desc = gluon_common.row_tiles(K + b * stride_kb + h * stride_kh, n_keys, stride_kn, BLOCK_N, HEAD_DIM)
-    v_desc = gluon_common.row_tiles(V + b * stride_vb + h * stride_vh, n_keys, stride_vn, BLOCK_N, HEAD_DIM)
-    o_desc = gluon_common.row_tiles(O + b * stride_ob + h * stride_oh, n_queries, stride_on, WS_CONSUMER_ROWS, HEAD_DIM)
+    q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
+    k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
+    v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
+    o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)

@@ -166,9 +166,7 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
 
 @gluon.jit
 def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
-                                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                                 q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
                                  n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                                  IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr = 1,
@@ -183,11 +181,10 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
-        stride_vn, stride_dob, stride_doh, stride_don, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
-    dk_desc = gluon_common.row_tiles(dK + b * stride_dkb + h * stride_dkh, n_keys, stride_dkn, KEYS_PER_CONSUMER,
+        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    dk_desc = gluon_common.head_row_tiles(dK, b, h, dk_strides, n_keys, KEYS_PER_CONSUMER,
                                      HEAD_DIM)
-    dv_desc = gluon_common.row_tiles(dV + b * stride_dvb + h * stride_dvh, n_keys, stride_dvn, KEYS_PER_CONSUMER,
+    dv_desc = gluon_common.head_row_tiles(dV, b, h, dv_strides, n_keys, KEYS_PER_CONSUMER,
                                      HEAD_DIM)
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
@@ -238,7 +235,7 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
     dq_rows = gluon_common.check_dq_accum(dq_accum, q4)
     strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     return GluonPass(flash_bwd_one_pass_ws_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, *gluon_common.row_strides(dk4),
-                      *gluon_common.row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
+                      gluon_common.row_strides(dv4), *sizes, dq_rows),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
                      lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))

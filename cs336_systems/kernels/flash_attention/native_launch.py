@@ -100,9 +100,20 @@ def load_module():
     return _module
 
 
+def _flattened(type_, value):
+    """(type, value) of each scalar a tuple parameter holds, depth first, its constexpr elements (a stride of 1 the
+    JIT specialised) left out: the order in which Triton's generated launcher passes them to the kernel."""
+    if isinstance(type_, tuple):
+        for element_type, element in zip(type_, value):
+            yield from _flattened(element_type, element)
+    elif type_ != "constexpr":
+        yield type_, value
+
+
 def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
     """(function, config, kinds, integers, reals) for native_launch.cpp, from a captured launch; None where a
-    parameter has a type the packer does not take or the kernel needs profile scratch."""
+    parameter has a type the packer does not take or the kernel needs profile scratch. Tuple parameters (a
+    tensor's strides) are flattened as Triton's launcher flattens them (`_flattened`)."""
     compiled = captured.compiled
     metadata = compiled.metadata
     if getattr(metadata, "profile_scratch_size", 0):  # (instrumentation only)
@@ -115,8 +126,17 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
     for position, (type_, value) in enumerate(zip(types, captured.values)):
         if type_ == "constexpr":
             continue
+        if isinstance(type_, tuple):  # a tensor's strides: its scalars, in order, as Triton's launcher packs them
+            for element_type, element in _flattened(type_, value):
+                if element_type in _INTEGER_KINDS:
+                    kinds.append(ARG_KINDS.index(_INTEGER_KINDS[element_type]))
+                    integers.append(int(element))
+                    reals.append(0.0)
+                else:
+                    return None  # pointers or reals inside a tuple: none of our kernels takes them
+            continue
         if not isinstance(type_, str):
-            return None  # tuples, descriptors
+            return None  # descriptors
         if type_.startswith("*"):
             if position in slots:
                 kinds.append(ARG_KINDS.index("tensor"))

@@ -165,6 +165,5 @@ class FlashAttentionPytorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward_tiled(q, k, v, out, lse, grad_out, ctx.is_causal, FlashAttentionPytorch.Q_TILE,
-                                          FlashAttentionPytorch.K_TILE)
-        return dq, dk, dv, None
+        tiles = FlashAttentionPytorch.Q_TILE, FlashAttentionPytorch.K_TILE
+        return *flash_backward_tiled(q, k, v, out, lse, grad_out, ctx.is_causal, *tiles), None

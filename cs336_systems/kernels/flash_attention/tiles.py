@@ -17,30 +17,38 @@ import triton.language as tl
 
 
 @triton.jit
-def head_base(ptr, b, h, stride_b, stride_h):
-    """Where the matrix of batch b, head h starts (64-bit offsets: a tensor can pass 2^31 elements)."""
-    return ptr + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+def head_base(ptr, b, h, strides):
+    """Where the matrix of batch b, head h starts (64-bit offsets: a tensor can pass 2^31 elements). `strides`:
+    the tensor's (batch, head, row, d) strides, one tuple argument (the JIT specialises each element, so a unit
+    stride along d is a constant)."""
+    return ptr + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[1]
 
 
 @triton.jit
-def row_block(base, n_rows, head_dim, stride_row, stride_d, row0, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def row_block(base, n_rows, head_dim, strides, row0, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """A block pointer to the (BLOCK_ROWS, BLOCK_D) tile at row `row0` of a (n_rows, head_dim) matrix."""
-    return tl.make_block_ptr(base, shape=(n_rows, head_dim), strides=(stride_row, stride_d), offsets=(row0, 0),
+    return tl.make_block_ptr(base, shape=(n_rows, head_dim), strides=(strides[2], strides[3]), offsets=(row0, 0),
                              block_shape=(BLOCK_ROWS, BLOCK_D), order=(1, 0))
 
 
 @triton.jit
-def operand_tiles(base, n_rows, head_dim, stride_row, stride_d, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+def head_tile(ptr, b, h, strides, n_rows, head_dim, row0, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`row_block` of batch b, head h's matrix."""
+    return row_block(head_base(ptr, b, h, strides), n_rows, head_dim, strides, row0, BLOCK_ROWS, BLOCK_D)
+
+
+@triton.jit
+def operand_tiles(base, n_rows, head_dim, strides, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
                   TRANSPOSED: tl.constexpr, USE_TMA: tl.constexpr):
     """The tiles of a (n_rows, head_dim) matrix at `base` that a loop walks BLOCK_ROWS rows at a time."""
     if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[n_rows, head_dim], strides=[stride_row, 1],
+        return tl.make_tensor_descriptor(base, shape=[n_rows, head_dim], strides=[strides[2], 1],
                                          block_shape=[BLOCK_ROWS, BLOCK_D])
     elif TRANSPOSED:
-        return tl.make_block_ptr(base, shape=(head_dim, n_rows), strides=(stride_d, stride_row), offsets=(0, 0),
+        return tl.make_block_ptr(base, shape=(head_dim, n_rows), strides=(strides[3], strides[2]), offsets=(0, 0),
                                  block_shape=(BLOCK_D, BLOCK_ROWS), order=(0, 1))
     else:
-        return row_block(base, n_rows, head_dim, stride_row, stride_d, 0, BLOCK_ROWS, BLOCK_D)
+        return row_block(base, n_rows, head_dim, strides, 0, BLOCK_ROWS, BLOCK_D)
 
 
 @triton.jit

@@ -69,19 +69,37 @@ def _range(ratios: pd.Series) -> str:
     return "(not measured)" if ratios.empty else f"{ratios.min():.2f}-{ratios.max():.2f}"
 
 
-def fused_cross_entropy(doc: Document, r: Results) -> None:
-    """Issue 7's loss benchmark: our fused LM head + cross-entropy against lm_head + cross_entropy."""
-    doc.add(Heading("Fused LM head + cross-entropy"))
-    frame = r.frame("cross-entropy")
+def _gpu_rows(doc: Document, r: Results, heading: str, suite: str, missing: str) -> pd.DataFrame | None:
+    """The heading, then the suite's CUDA rows; None (noted missing) where there are none."""
+    doc.add(Heading(heading))
+    frame = r.frame(suite)
     rows = frame[col(frame, "device") == "cuda"]
     if rows.empty:
-        return r.note_missing(doc, "fused cross-entropy", "`cs336-bench cross-entropy` rows (`bash "
-                              "scripts/device_run.sh cross-entropy`, GPU)")
+        r.note_missing(doc, heading, missing)
+        return None
+    return rows
+
+
+def _memory_against_liger(doc: Document, rows: pd.DataFrame, keys: list[str], ours: str) -> None:
+    """Issue 35's memory target: `ours`'s peak above the inputs at most Liger-Kernel's, case by case."""
+    peaks = rows[rows["metric"] == "peak_above_inputs"].pivot_table(index=keys, columns="provider", values="median",
+                                                                      aggfunc="last")
+    if {ours, "liger"} <= set(peaks.columns):
+        within = (peaks[ours] <= peaks["liger"] + 1e-3).dropna()
+        doc.add(Paragraph(f"{ours}'s extra memory is at most Liger-Kernel's in {int(within.sum())} of {len(within)} "
+                          "cases (the target: all of them)."))
+
+
+def fused_cross_entropy(doc: Document, r: Results) -> None:
+    """Issue 7's loss benchmark: our fused LM head + cross-entropy against lm_head + cross_entropy and Liger."""
+    rows = _gpu_rows(doc, r, "Fused LM head + cross-entropy", "cross-entropy", "`cs336-bench cross-entropy` rows "
+                     "(`bash scripts/device_run.sh cross-entropy`, GPU)")
+    if rows is None:
+        return
     from cs336_systems.bench.suites.cross_entropy import CASE_KEYS, summary_table
 
     rows = latest(rows, ["provider", *CASE_KEYS, "metric"])
     times = rows[rows["metric"] == "time"]
-    table = summary_table(rows, digits=1)
     doc.add(Paragraph("`cs336-bench cross-entropy`: the loss and its gradients for the hidden states and the head "
                       "weight, one forward and backward, timed by do_bench. fused is ours (dW accumulated in fp32); "
                       "fused-lean is ours with Liger-Kernel's memory choices (dW in the weight's dtype, Liger's chunk "
@@ -90,17 +108,17 @@ def fused_cross_entropy(doc: Document, r: Results) -> None:
                       f"({shared_value(col(times, 'chunk_tokens'))}-token chunks, each checkpointed). TFLOP/s counts "
                       "the three GEMMs (logits, dH, dW) "
                       "for every provider; peak is the memory allocated above the inputs. " + environment(times)))
-    doc.add(Table(table, "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
+    doc.add(Table(summary_table(rows, digits=1), "median ms, speed-up (baseline time / ours), peak GiB and TFLOP/s"))
+    _memory_against_liger(doc, rows, CASE_KEYS, "fused-lean")
 
 
 def fused_ops(doc: Document, r: Results) -> None:
     """Issue 35: our fused RMSNorm and SwiGLU gate against torch and Liger-Kernel, time and memory."""
-    doc.add(Heading("Fused RMSNorm and SwiGLU gate against torch and Liger-Kernel"))
-    frame = r.frame("fused-ops")
-    rows = frame[col(frame, "device") == "cuda"]
-    if rows.empty:
-        return r.note_missing(doc, "fused RMSNorm / SwiGLU", "`cs336-bench fused-ops` rows (`bash "
-                              "scripts/device_run.sh cross-entropy`, GPU, with the liger-kernel wheel carried)")
+    rows = _gpu_rows(doc, r, "Fused RMSNorm and SwiGLU gate against torch and Liger-Kernel", "fused-ops",
+                     "`cs336-bench fused-ops` rows (`bash scripts/device_run.sh cross-entropy`, GPU, with the "
+                     "liger-kernel wheel carried)")
+    if rows is None:
+        return
     from cs336_systems.bench.suites.fused_ops import CASE_KEYS, summary_table
 
     rows = latest(rows, ["provider", *CASE_KEYS, "metric"])
@@ -109,9 +127,4 @@ def fused_ops(doc: Document, r: Results) -> None:
                       "its gradients over its inputs as our fused model runs it; `ours-out-of-place` makes new "
                       "ones. " + environment(rows)))
     doc.add(Table(summary_table(rows), "median ms and GiB above the inputs"))
-    peaks = rows[rows["metric"] == "peak_above_inputs"].pivot_table(index=CASE_KEYS, columns="provider",
-                                                                      values="median", aggfunc="last")
-    if {"ours", "liger"} <= set(peaks.columns):
-        within = (peaks["ours"] <= peaks["liger"] + 1e-3).dropna()
-        doc.add(Paragraph(f"Our extra memory is at most Liger-Kernel's in {int(within.sum())} of {len(within)} "
-                          "cases (the target for the gate: all of them)."))
+    _memory_against_liger(doc, rows, CASE_KEYS, "ours")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-session, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -32,6 +32,17 @@ run_stage() {
         tests/test_kernels_compensated_sum.py \
         tests/test_kernels_flash_attention.py tests/test_adapters_attention.py tests/test_attention_registry.py \
         tests/test_memory_checkpointing.py 2>&1 | tee "$OUT/tests_gpu.log" | tail -40
+      ;;
+    tests-session)
+      # What the 2026-12-05 session changed without a GPU (stride tuples in every FlashAttention kernel and the
+      # native packer, the in-place SwiGLU backward, the CE loss's weight-dtype mode) and what it never ran on one
+      # (the operators' CUDA-graph replay, the fuzz test's three dtypes); the log comes back whole.
+      CS336_AUTOTUNE=0 timeout 540 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_adapters_attention.py \
+        tests/test_attention_registry.py tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py \
+        tests/test_kernels_cross_entropy.py tests/test_kernels_flash_fuzz.py tests/test_memory_checkpointing.py \
+        tests/test_bench_fused_ops.py tests/test_bench_cross_entropy.py > "$OUT/tests_session.log" 2>&1
+      tail -30 "$OUT/tests_session.log"
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

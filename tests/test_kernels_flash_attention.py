@@ -965,3 +965,22 @@ def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
         assert int(re.search(r"TMA (\d+)", lines[name]).group(1)) > 0, lines[name]
         assert "|1" in lines[name], lines[name]
     assert "|1" not in lines["dkdv"], lines["dkdv"]
+
+
+@requires_hopper
+@pytest.mark.parametrize("backward", ["triton", "two-pass", "fused"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gluon_backwards_give_the_first_causal_row_exact_zeros(backward, head_dim):
+    """Under a causal mask the first query sees one key: PyTorch's dQ for it is exactly 0 (and that key's dK gets
+    nothing from it). Every Hopper backward (the warp-specialised one pass at d 128, the Gluon one pass, the two
+    Gluon passes) zeroes that row's dS as the tl kernels do, rather than leave D's rounding residue."""
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 200, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    flash_attention(q, k, v, True, backward=backward).backward(torch.randn_like(q))
+    assert torch.all(q.grad[..., 0, :] == 0), q.grad[..., 0, :].abs().max()
+    low = [t.detach().requires_grad_() for t in (q, k, v)]
+    naive_attention(*low, True, upcast=False).backward(torch.randn_like(q))
+    assert torch.all(low[0].grad[..., 0, :] == 0)  # PyTorch's own, the rule's source

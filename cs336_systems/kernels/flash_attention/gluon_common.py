@@ -156,6 +156,18 @@ def probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED: gl.constexpr, IS_C
     return pT
 
 
+@gluon.jit
+def zero_first_row_t(dsT, tile, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     s_layout: gl.constexpr):
+    """dS^T with the first query's column zeroed in a masked causal tile: that row sees one key, its P is 1 and
+    dS = P (dP - D) is exactly 0 in PyTorch's softmax backward, where D from O and dO would leave a rounding
+    residue (as the tl kernels and the PyTorch class do)."""
+    if MASKED and IS_CAUSAL:
+        offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        dsT = gl.where(offs_m[None, :] == 0, 0.0, dsT)
+    return dsT
+
+
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """A tensor's (batch, head, row) strides, the kernels' tuple argument; d is unit-stride (`eligible`)."""
     return t.stride(0), t.stride(1), t.stride(2)

@@ -156,7 +156,7 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-        dsT = pT * (dpT - delta[None, :])
+        dsT = gluon_common.zero_first_row_t(pT * (dpT - delta[None, :]), tile, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         if DQ_SPLIT > 0:
             dk = _dk_and_dq_share(dk, dsT.to(dtype), ds_smem, q_tile, k_tile, dq_target, tile,
                                   (step % DQ_BUFFERS) * DQ_SPLIT, n_queries, sm_scale, MASKED, BLOCK_M, HEAD_DIM,
@@ -346,6 +346,8 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         ds = p * (dp - delta[:, None])
+        if MASKED and IS_CAUSAL:
+            ds = gl.where(offs_m[:, None] == 0, 0.0, ds)  # the first row sees one key: dS is exactly 0
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), op_layout), k_tile, dq, is_async=True)
     return dq
 

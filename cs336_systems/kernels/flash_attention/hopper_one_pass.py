@@ -92,7 +92,8 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         dv = warpgroup_mma(pT_low, do_tile, dv, is_async=True)
         dpT = warpgroup_mma_wait(num_outstanding=1, deps=(dpT,))
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
-        dsT = (pT * (dpT - delta[None, :])).to(dtype)
+        dsT = gluon_common.zero_first_row_t(pT * (dpT - delta[None, :]), tile, MASKED, IS_CAUSAL, BLOCK_M,
+                                            s_layout).to(dtype)
         # This consumer's half of dS^T into the shared buffer of this step's parity. The other consumer read the
         # buffer two steps ago and has retired those products before it signalled last step's buffer, which this
         # consumer waited for; this consumer's own reduction from DQ_BUFFERS steps ago must have read its stage.

@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-session, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -336,6 +336,16 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
         --compile ${MODEL_COMPILE:-on,reduce-overhead} --compile-scope block --provider ours,baseline \
         --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
         --results-dir "$R" 2>&1 | tail -52
+      ;;
+    model-sizes-inductor)
+      # Issue 32: whether inductor's own kernels for RMSNorm, the SwiGLU gate and RoPE beat our operators under
+      # torch.compile (ours compiled is slower than ours eager at every size: the operators' Python dispatch).
+      # Ours with and without --fused, compiled per block and as CUDA graphs, the baseline beside them.
+      for fused in --fused ""; do
+        python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 128,512,2048 --dtype bf16 \
+          --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton $fused \
+          --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      done
       ;;
     attention-d256)
       # Issue 35's d 256 target: fwd+bwd at d 256 at most 2.5x the d 128 time at the same shape (wide-head tiles).

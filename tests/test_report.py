@@ -263,3 +263,19 @@ def test_fused_ops_section_compares_memory_with_liger(tmp_path):
     section = text[text.index("## Fused RMSNorm and SwiGLU gate"):]
     assert "ours ms" in section and "liger GiB" in section and "2.7" in section
     assert "ours's extra memory is at most Liger-Kernel's in 1 of 1 cases" in section
+
+
+def test_stack_section_shows_ours_with_inductor_pointwise_beside_our_operators(tmp_path):
+    common = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=True,
+                  compile_mode="default", optimizer="fused")
+    rows = [_row("model", "ours", "time", 60.0, attention="triton", fused=True, **common),
+            _row("model", "ours", "time", 20.0, attention="triton", fused=False, **common),
+            _row("model", "baseline", "time", 25.0, attention="sdpa", fused=False, **common),
+            _row("model", "baseline", "time", 25.0, attention="sdpa", fused=False, **common)]
+    for row in rows[1::2]:  # the second run: ours without --fused, and its own baseline
+        row.update(run_id="r2", timestamp="2026-12-03T00:00:00+00:00")
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## Our stack against PyTorch"):text.index("## Fused LM head")]
+    row = next(line for line in section.splitlines() if "compiled, inductor pointwise" in line)
+    assert row.rstrip(" |").endswith("0.8")  # ours / baseline: 20 / 25, the baseline of its own run
+    assert "ranges 0.80-0.80" in section  # each side's best mode: ours' is the inductor one

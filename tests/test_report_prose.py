@@ -32,6 +32,8 @@ ALLOWED = {
     r"1 GB over N devices at W = 450 GB/s|w = 100 GB/s and o = 50 us": "illustrative calculator inputs, said so",
     r"Below 1 ours|ours / baseline < 1|below 1 means": "the ratio's definition",
     r"on 2 GPUs|2 GPUs is missing": "the run the one-GPU machine cannot make",
+    r"largest finite value 65504|10-bit mantissa|7-bit mantissa": "fp16's and bf16's formats, by definition",
+    r"\(4 d\^2 \+ 3 d d_ff \+ 2 d\)": "a block's parameter count (four d x d projections, three d x d_ff, two norms)",
     r"4 d_head FLOPs per score": "the attention's two products per score (d_head multiply-adds each)",
     r"\(a\)|\(b\)|\(c\)|\(d\)|\(e\)": "the handout's sub-question labels",
 }

@@ -19,6 +19,7 @@ from cs336_systems.report.sections.common import (
 
 MEMORY_CONTEXTS = (128, 2048)  # memory_profiling's contexts (the handout's)
 TOP_OPS = 5  # memory_profiling (f): how many ops of the block's saved tensors to list
+PRESET_RANK = {p: i for i, p in enumerate(["small", "medium", "large", "xl", "10B"])}  # Table 1's order
 
 
 def benchmarking_script(doc: Document, r: Results) -> None:
@@ -121,16 +122,29 @@ def mixed_precision_accumulation(doc: Document, r: Results) -> None:
     doc.add(Paragraph("An fp16 accumulator loses the small addends once the sum grows (its spacing near 10 is "
                       "2^-7); accumulating in fp32 keeps the error at the fp16 rounding of 0.01 itself, whether "
                       "the addend is converted explicitly or implicitly."))
-    dtypes = latest(prec[prec["metric"] == "dtype"], ["tensor", "autocast"])
+    dtypes = prec[prec["metric"] == "dtype"]
+    if (dtypes["device"] == "cuda").any():
+        dtypes = dtypes[dtypes["device"] == "cuda"]  # the handout's question is CUDA's autocast
     if not dtypes.empty:
+        dtypes = latest(dtypes, ["tensor", "autocast"])
         device = ", ".join(sorted(set(dtypes["device"])))
-        doc.add(Table(pd.DataFrame({"tensor": dtypes["tensor"], "dtype under autocast": dtypes["message"]}),
-                      f"toy model under bf16 autocast on {device}"))
+        table = dtypes.pivot_table(index="tensor", columns="autocast", values="message", aggfunc="last")
+        table = table.reindex([t for t in dtypes["tensor"].drop_duplicates()])  # the handout's order
+        table.columns = [f"under {c} autocast" for c in table.columns]
+        doc.add(Table(table.reset_index(), f"(a) the toy model's dtypes under autocast on {device}. "
+                                           + environment(dtypes)))
         if "cuda" not in device:
             doc.add(Paragraph("These dtypes were read on CPU autocast, whose op lists differ from CUDA's: there "
                               "layer norm runs in fp32 under autocast (it is on CUDA's fp32 list) while CPU "
                               "autocast runs it in bf16."))
             r.missing.append(("benchmarking_mixed_precision", "the autocast dtypes read on CUDA"))
+    doc.add(Paragraph("(b) Layer normalisation's statistics are the sensitive part: the mean and variance sum "
+                      "many values (squares, for the variance) and divide by them, so in fp16 the sum of squares "
+                      "can overflow its range (largest finite value 65504) or lose small terms to its 10-bit "
+                      "mantissa, and the reciprocal square root amplifies that error; autocast therefore runs "
+                      "layer norm in fp32. bf16 has fp32's exponent range, so nothing overflows, but its 7-bit "
+                      "mantissa rounds the reductions even more coarsely, so the statistics still belong in fp32 "
+                      "(as our RMSNorm keeps them), while its inputs and outputs may stay in bf16."))
     model = eager_reference_rows(r.frame("model"))
     step = model[(model["compile"] == False) & (model["mode"] == "train-step")]  # noqa: E712
     if not step.empty:
@@ -138,7 +152,23 @@ def mixed_precision_accumulation(doc: Document, r: Results) -> None:
             index=["preset", "provider"], columns="dtype", values="median").reset_index()
         if {"fp32", "bf16"} <= set(wide.columns):
             wide["fp32 / bf16"] = (wide["fp32"] / wide["bf16"]).round(2)
-            doc.add(Table(wide.round(1), "eager train-step ms, fp32 vs bf16 autocast. " + environment(step)))
+            wide = wide.sort_values(["preset", "provider"], key=lambda c: c.map(PRESET_RANK) if c.name == "preset"
+                                    else c)
+            doc.add(Table(wide.round(1), "(c) eager train-step ms, fp32 vs bf16 autocast. " + environment(step)))
+            speedups = wide.dropna(subset=["fp32 / bf16"])
+            lines = []
+            for provider, rows in speedups.groupby("provider"):
+                first, last = rows.iloc[0], rows.iloc[-1]
+                lines.append(f"{provider} {first['fp32 / bf16']:.1f}x at {first['preset']} to "
+                             f"{last['fp32 / bf16']:.1f}x at {last['preset']}")
+            grows = all(rows["fp32 / bf16"].is_monotonic_increasing for _, rows in speedups.groupby("provider"))
+            doc.add(Paragraph("(c) bf16 autocast over fp32, train step: " + "; ".join(lines) + ". "
+                              + ("The gain grows with the model size for every provider: " if grows else
+                                 "The gain does not grow steadily with the model size here; the expected trend: ")
+                              + "at small sizes the step is bound by kernel launches and elementwise work, which "
+                              "autocast does not shorten (its casts even add some), while at the larger sizes the "
+                              "matrix multiplies dominate and run on bf16 tensor cores instead of fp32's much slower "
+                              "path."))
 
 
 def memory_profiling(doc: Document, r: Results) -> None:
@@ -156,6 +186,15 @@ def memory_profiling(doc: Document, r: Results) -> None:
                           f"forward,train-step --memory` (batch {shared_value(peaks['batch'])}, reference attention, "
                           "no checkpointing). (b) Peak allocated GiB per phase. " + environment(peaks)))
         doc.add(Table(wide.round(2)))
+        step_peaks = peaks[(peaks["mode"] == "train-step") & (peaks["context"] == min(MEMORY_CONTEXTS))]
+        if not step_peaks.empty:
+            top = step_peaks.sort_values("median").iloc[-1]
+            doc.add(Paragraph(f"(a) The timelines below shade the phases. Forward only, memory climbs block by "
+                              f"block and falls when the pass ends; in the training step it climbs through the "
+                              f"forward, is highest in the {top['phase']} phase ({top['median']:.1f} GiB at context "
+                              f"{int(top['context'])}, {top['dtype']}), falls as the backward frees each block's "
+                              "saved tensors while the gradients appear, and the optimizer adds AdamW's moments at "
+                              "its first step: each stage has its own shape."))
         doc.add(Paragraph("Each mode is recorded right after its own timed steps, so the forward rows hold the "
                           "parameters (fp32: 4 bytes each) and the forward's activations (plus, under bf16 autocast, "
                           "the bf16 weight copies), no gradients or AdamW state. The train-step peak is at the end "
@@ -200,6 +239,16 @@ def memory_profiling(doc: Document, r: Results) -> None:
                           f"(f) the {TOP_OPS} ops whose outputs one TransformerBlock saves most of ({preset}, context "
                           f"{int(context)}, {dtype}): {100 * top['share'].sum():.1f} % of the block's saved "
                           "bytes"))
+        block_saved = totals[(totals["part"] == "block") & (totals["compile"] == False)]  # noqa: E712
+        xl = ModelConfig.from_name("xl")
+        gradient_mib = (4 * xl.d_model ** 2 + 3 * xl.d_model * xl.d_ff + 2 * xl.d_model) * 4 / 2**20
+        if not block_saved.empty:
+            saved = block_saved.iloc[-1]
+            doc.add(Paragraph(f"(f) The gradients one TransformerBlock produces are its parameters': (4 d^2 + 3 d "
+                              f"d_ff + 2 d) x 4 bytes = {gradient_mib:.0f} MiB for xl in fp32, against the "
+                              f"{saved['median']:.2f} GiB it saved for the backward ({saved['preset']}, context "
+                              f"{int(saved['context'])}): each block's backward frees far more than it makes, so "
+                              "memory falls block by block through the backward, as the timelines show."))
     cfg = ModelConfig.from_name("xl")
     d, short, ctx, batch = cfg.d_model, min(MEMORY_CONTEXTS), max(MEMORY_CONTEXTS), 4
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "

@@ -69,9 +69,11 @@ def test_bad_input_names_the_option(option, value, message, capsys):
     assert option in err and message in err
 
 
-def test_liger_without_the_package_is_refused_before_any_case(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cross_entropy_suite, "liger_available", lambda: False)
-    with pytest.raises(SystemExit, match="--provider liger needs the liger-kernel package"):
+@pytest.mark.parametrize("installed, message", [(False, "--provider liger needs the liger-kernel package"),
+                                                (True, "--provider liger runs on CUDA only")])
+def test_liger_is_refused_before_any_case_where_it_cannot_run(installed, message, tmp_path, monkeypatch):
+    monkeypatch.setattr(cross_entropy_suite, "liger_available", lambda: installed)
+    with pytest.raises(SystemExit, match=message):
         main([*SMALL, "--provider", "fused,liger", "--results-dir", str(tmp_path)])
     assert not (tmp_path / "cross-entropy.jsonl").exists()
 

@@ -11,7 +11,9 @@ SMALL = ["fused-ops", "--device", "cpu", "--tokens", "33", "--warmup-ms", "1", "
 
 
 def test_every_op_and_provider_is_timed(tmp_path, monkeypatch):
-    monkeypatch.setattr(fused_ops, "liger_available", lambda: False)
+    from cs336_systems.bench.suites import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "liger_available", lambda: True)  # installed, but not on the CPU by default
     assert main([*SMALL, "--results-dir", str(tmp_path)]) == 0
     rows = [r for r in load_rows(tmp_path / "fused-ops.jsonl") if r["metric"] == "time"]
     assert {(r["config"]["op"], r["provider"]) for r in rows} == {
@@ -34,9 +36,13 @@ def test_providers_compute_the_same_gradients(op):
             torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-5, msg=provider)
 
 
-def test_liger_without_the_package_is_refused_before_any_case(tmp_path, monkeypatch):
-    monkeypatch.setattr(fused_ops, "liger_available", lambda: False)
-    with pytest.raises(SystemExit, match="liger-kernel package"):
+@pytest.mark.parametrize("installed, message", [(False, "needs the liger-kernel package"),
+                                                (True, "runs on CUDA only, got --device cpu")])
+def test_liger_is_refused_before_any_case_where_it_cannot_run(installed, message, tmp_path, monkeypatch):
+    from cs336_systems.bench.suites import cross_entropy
+
+    monkeypatch.setattr(cross_entropy, "liger_available", lambda: installed)
+    with pytest.raises(SystemExit, match=message):
         main([*SMALL, "--provider", "ours,liger", "--results-dir", str(tmp_path)])
     assert not (tmp_path / "fused-ops.jsonl").exists()
 

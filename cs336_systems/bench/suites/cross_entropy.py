@@ -12,7 +12,7 @@ Providers:
             (`weight_grad_accumulation="weight"`) and chunks sized as Liger sizes its own (`lean_chunk_tokens`:
             about tokens / (vocab / d_model), a power of two), so the logits chunk is about the size of dH.
   liger     Liger-Kernel's `liger_fused_linear_cross_entropy` (accum_dtype None: dW in the weight's dtype), when
-            the `liger-kernel` package is installed; the default list takes it only then.
+            the `liger-kernel` package is installed, on CUDA; the default list takes it only then.
   plain     `F.cross_entropy(h @ W^T in fp32, t)`: the whole (tokens, vocab) logits, upcast to fp32 as
             cs336_basics does (fp64 stays fp64).
   chunked   the leaderboard baseline's loss: the same per chunk, each chunk checkpointed, so its logits
@@ -82,6 +82,23 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def check_liger(providers: list[str] | None, device: torch.device, suite: str) -> None:
+    """Refuse --provider liger, before any case runs, where it cannot run: without the package, or off CUDA
+    (Liger's kernels are Triton kernels for the GPU)."""
+    if not providers or "liger" not in providers:
+        return
+    if not liger_available():
+        raise SystemExit(f"cs336-bench {suite}: --provider liger needs the liger-kernel package "
+                         "(pip install liger-kernel)")
+    if device.type != "cuda":
+        raise SystemExit(f"cs336-bench {suite}: --provider liger runs on CUDA only, got --device {device}")
+
+
+def liger_by_default(device: torch.device) -> bool:
+    """Whether the default provider list takes liger: installed, and on CUDA."""
+    return device.type == "cuda" and liger_available()
+
+
 def lean_chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
     """Liger-Kernel's chunk size for its fused linear cross-entropy: tokens / ceil(vocab / d_model), rounded up to
     a power of two, so that a chunk's logits (chunk x vocab) are about the size of the hidden states."""
@@ -91,7 +108,7 @@ def lean_chunk_tokens(tokens: int, vocab: int, d_model: int) -> int:
 
 def cases(args) -> list[LossCase]:
     default = CUDA_DEFAULT if args.device.type == "cuda" else CPU_DEFAULT
-    providers = args.provider or [p for p in PROVIDERS if p != "liger" or liger_available()]
+    providers = args.provider or [p for p in PROVIDERS if p != "liger" or liger_by_default(args.device)]
     axes = [providers, args.tokens or default["tokens"], args.vocab or default["vocab"],
             args.d_model or default["d_model"], args.dtype or default["dtype"]]
     return [LossCase(p, n, v, d, dt, lean_chunk_tokens(n, v, d) if p == "fused-lean" else args.chunk_tokens)
@@ -118,10 +135,7 @@ def loss_fn(provider: str, chunk_tokens: int):
 
 
 def run(args) -> int:
-    if "liger" in (args.provider or []) and not liger_available():  # before any case runs
-        raise SystemExit("cs336-bench cross-entropy: --provider liger needs the liger-kernel package "
-                         "(pip install liger-kernel); allowed without it: "
-                         + ", ".join(p for p in PROVIDERS if p != "liger"))
+    check_liger(args.provider, args.device, "cross-entropy")
     store = ResultStore("cross-entropy", args.device, args.results_dir)
     for case in tqdm(cases(args), desc="cross-entropy", disable=args.no_progress):
         _run_case(case, args, store)

@@ -9,8 +9,8 @@ Ops and providers:
             runs it), ours-out-of-place (the same kernel, new gradient tensors), torch (the eager expression),
             liger (`liger_swiglu`, whose backward also writes over a and b)
 a and b reach the gate as views of leaf tensors: in a model they are the w1 and w3 products, tensors of the
-step's own that the in-place backward may overwrite (ours refuses leaves). liger runs only where the
-liger-kernel package is installed; the default list takes it only then.
+step's own that the in-place backward may overwrite (ours refuses leaves). liger runs where the liger-kernel
+package is installed, on CUDA; the default list takes it only then.
 
     cs336-bench fused-ops                                   # both ops at the leaderboard's shapes on CUDA
     cs336-bench fused-ops --op swiglu --tokens 32768 --width 11008 --provider ours,liger
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from cs336_systems.bench import common
-from cs336_systems.bench.suites.cross_entropy import liger_available
+from cs336_systems.bench.suites.cross_entropy import check_liger, liger_by_default
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.swiglu import silu_mul
 from cs336_systems.results import ResultStore, format_table
@@ -73,8 +73,10 @@ def cases(args) -> list[OpCase]:
     on_cuda = args.device.type == "cuda"
     listed = []
     for op in args.op:
-        providers = [p for p in PROVIDERS[op] if (args.provider is None and (p != "liger" or liger_available()))
-                     or (args.provider is not None and p in args.provider)]
+        if args.provider is None:
+            providers = [p for p in PROVIDERS[op] if p != "liger" or liger_by_default(args.device)]
+        else:
+            providers = [p for p in PROVIDERS[op] if p in args.provider]
         widths = args.width or [CUDA_WIDTH[op] if on_cuda else CPU_WIDTH[op]]
         for tokens, width, dtype, provider in itertools.product(args.tokens or [32768 if on_cuda else CPU_TOKENS],
                                                                 widths, args.dtype or ["bf16" if on_cuda else "fp32"],
@@ -132,9 +134,7 @@ def step_fn(case: OpCase, device: torch.device):
 
 
 def run(args) -> int:
-    if args.provider and "liger" in args.provider and not liger_available():
-        raise SystemExit("cs336-bench fused-ops: --provider liger needs the liger-kernel package "
-                         "(pip install liger-kernel)")
+    check_liger(args.provider, args.device, "fused-ops")
     store = ResultStore("fused-ops", args.device, args.results_dir)
     for case in tqdm(cases(args), desc="fused-ops", disable=args.no_progress):
         _run_case(case, args, store)

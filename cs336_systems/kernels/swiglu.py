@@ -84,11 +84,11 @@ def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: 
         da, db = (dy * bf * s * (1 + af * (1 - s))).to(a.dtype), (dy * af * s).to(b.dtype)
         if not in_place:
             return da, db
-        torch.autograd.graph.increment_version((a, b))
-        return a.copy_(da), b.copy_(db)
+        return a.copy_(da), b.copy_(db)  # (copy_ bumps their version counters itself)
     _, backward_kernel = _kernels()
     if in_place:
-        torch.autograd.graph.increment_version((a, b))
+        for t in (a, b):  # one tensor a call: the form every torch since 2.1 takes
+            torch.autograd.graph.increment_version(t)
     da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
     if a.numel():
         backward_kernel[_grid(a.numel())](a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)

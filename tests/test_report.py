@@ -279,3 +279,26 @@ def test_stack_section_shows_ours_with_inductor_pointwise_beside_our_operators(t
     row = next(line for line in section.splitlines() if "compiled, inductor pointwise" in line)
     assert row.rstrip(" |").endswith("0.8")  # ours / baseline: 20 / 25, the baseline of its own run
     assert "ranges 0.80-0.80" in section  # each side's best mode: ours' is the inductor one
+
+
+def test_stack_profile_puts_each_phase_and_kind_of_work_beside_the_baseline(tmp_path):
+    shape = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=False,
+                 attention="triton", fused=True, optimizer="fused")
+    rows = []
+    for provider, forward, backward, matmul in (("ours", 10.0, 30.0, 8.0), ("baseline", 6.0, 20.0, 9.0)):
+        rows += [_row("model", provider, "phase_time", forward, phase="forward", **shape),
+                 _row("model", provider, "phase_time", backward, phase="backward", **shape),
+                 _row("model", provider, "profile_category_time", matmul, range="forward", category="matmul",
+                      **shape),
+                 _row("model", provider, "profile_category_time", 1.0, range="attention/softmax",
+                      category="elementwise (torch)", **shape),
+                 _row("model", provider, "profile_category_time", 12.0 if provider == "ours" else 4.0,
+                      range="backward", category="copy / index (torch)", **shape)]
+    for row in rows:
+        row["device"] = "cuda"
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## Where our step's time goes"):text.index("## Fused LM head")]
+    forward = next(line for line in section.splitlines() if line.startswith("| forward"))
+    assert [float(c) for c in forward.strip(" |").split("|")[1:]] == [10.0, 9.0, 6.0, 10.0]  # attention parts too
+    first = next(line for line in section.splitlines() if "copy / index" in line)
+    assert first.rstrip(" |").endswith("8")  # ours' largest excess, listed first

@@ -23,5 +23,6 @@ SECTIONS = (profiling.benchmarking_script, nsys_profile.nsys_profile, profiling.
             distributed.ddp, distributed.sharding_and_fsdp, distributed.fsdp_accounting,
             distributed.parallelism_calcs,
             distributed.communication_accounting,
-            kernels.fused_model_path, kernels.fused_cross_entropy, kernels.fused_ops, leaderboard.leaderboard,
+            kernels.fused_model_path, kernels.stack_profile, kernels.fused_cross_entropy, kernels.fused_ops,
+            leaderboard.leaderboard,
             implementations.implementations)

@@ -82,6 +82,50 @@ def fused_model_path(doc: Document, r: Results) -> None:
         + _range(wide[wide["execution"] == "CUDA graphs"]["ours / baseline"]) + "."))
 
 
+PHASE_OF_RANGE = {"attention/scores": "forward", "attention/softmax": "forward", "attention/matmul": "forward"}
+
+
+def stack_profile(doc: Document, r: Results) -> None:
+    """Issue 32: where our step's time goes against the baseline's, from one profiled run of both: per phase the
+    time the timed steps spent (phase_time) beside the kernels' own time in it (profile_category_time; the gap is
+    the device waiting on the host), and per kind of work the kernel time of each."""
+    doc.add(Heading("Where our step's time goes, against the baseline's"))
+    model = r.frame("model")
+    cats = model[(col(model, "metric") == "profile_category_time") & (col(model, "device") == "cuda")]
+    runs = cats.groupby("run_id")["provider"].agg(lambda p: {"ours", "baseline"} <= set(p)) if not cats.empty else []
+    both = [run for run, ok in (runs.items() if len(runs) else []) if ok]
+    if not both:
+        return r.note_missing(doc, "stack profile", "a profile of ours and the baseline in one run (`bash "
+                              "scripts/device_run.sh model-sizes-profile`, GPU)")
+    run = cats[cats["run_id"].isin(both)].sort_values("timestamp")["run_id"].iloc[-1]
+    cats = cats[cats["run_id"] == run]
+    for (preset, context, compiled), part in cats.groupby(["preset", "context", "compile"]):
+        phases = model[(model["metric"] == "phase_time") & (model["run_id"] == run) & (model["preset"] == preset)
+                       & (model["context"] == context) & (model["compile"] == compiled)]
+        kernel = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
+        kernel = kernel.groupby(["phase", "provider"])["median"].sum().unstack("provider")
+        wall = latest(phases, ["provider", "phase"]).pivot_table(index="phase", columns="provider", values="median")
+        table = pd.DataFrame({"ours: phase ms": wall.get("ours"), "ours: kernels ms": kernel.get("ours"),
+                              "baseline: phase ms": wall.get("baseline"),
+                              "baseline: kernels ms": kernel.get("baseline")}).round(2)
+        mode = "compiled" if compiled else "eager"
+        ours_rows = part[part["provider"] == "ours"]
+        doc.add(Paragraph(f"`cs336-bench model --preset {preset} --context {int(context)} --provider ours,baseline "
+                          f"--profile` ({mode}; ours: attention {shared_value(col(ours_rows, 'attention'))}, fused "
+                          f"kernels {shared_value(col(ours_rows, 'fused'))}, optimizer "
+                          f"{shared_value(col(ours_rows, 'optimizer'))}): per phase, "
+                          "the mean time of the timed steps and the kernels' own time in it (torch.profiler, the "
+                          "profiled steps); where the first exceeds the second the device waited on the host. "
+                          + environment(part)))
+        doc.add(Table(table.reset_index().fillna(""), f"{preset}, context {int(context)}, {mode}: ms per step"))
+        kinds = part.groupby(["category", "provider"])["median"].sum().unstack("provider").fillna(0.0)
+        if {"ours", "baseline"} <= set(kinds.columns):
+            kinds["ours - baseline"] = kinds["ours"] - kinds["baseline"]
+            kinds = kinds.sort_values("ours - baseline", ascending=False).round(2) + 0.0  # (no "-0")
+            doc.add(Table(kinds.reset_index(), f"{preset}, context {int(context)}, {mode}: kernel ms per step by "
+                                               "kind of work, the largest excess of ours first"))
+
+
 def _range(ratios: pd.Series) -> str:
     return "(not measured)" if ratios.empty else f"{ratios.min():.2f}-{ratios.max():.2f}"
 

@@ -19,6 +19,7 @@ from cs336_systems.report.sections.common import (
 
 MEMORY_CONTEXTS = (128, 2048)  # memory_profiling's contexts (the handout's)
 TOP_OPS = 5  # memory_profiling (f): how many ops of the block's saved tensors to list
+HANDOUT_STEPS = (5, 10)  # benchmarking_script (b): warm-up and timed steps
 PRESET_RANK = {p: i for i, p in enumerate(["small", "medium", "large", "xl", "10B"])}  # Table 1's order
 
 
@@ -39,6 +40,12 @@ def benchmarking_script(doc: Document, r: Results) -> None:
     shown = latest(eager, ["preset", "mode", "provider"])
     steps = ", ".join(sorted({f"{int(w)} warm-up and {int(n)} timed steps"
                               for w, n in zip(shown["warmup"], shown["n"])}))
+    if set(zip(shown["warmup"], shown["n"])) != {HANDOUT_STEPS}:
+        r.missing.append(("benchmarking_script", f"(b) at the handout's {HANDOUT_STEPS[0]} warm-up and "
+                          f"{HANDOUT_STEPS[1]} timed steps (`bash scripts/device_run.sh report-gpu`, GPU)"))
+    if study.empty:
+        r.missing.append(("benchmarking_script", "(c) runs with fewer warm-up steps (`bash scripts/device_run.sh "
+                          "report-gpu`, GPU)"))
     batches = ", ".join(sorted({f"batch {int(b)}, context {int(c)}" for b, c in zip(shown["batch"], shown["context"])}))
     doc.add(Paragraph("`cs336-bench model --preset small,medium,large,xl --dtype fp32 --provider ours,baseline` "
                       f"({batches}, {steps}; `ours` is the cs336_basics model with the staff-equivalent attention "

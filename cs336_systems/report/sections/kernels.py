@@ -92,8 +92,9 @@ def stack_profile(doc: Document, r: Results) -> None:
     doc.add(Heading("Where our step's time goes, against the baseline's"))
     model = r.frame("model")
     cats = model[(col(model, "metric") == "profile_category_time") & (col(model, "device") == "cuda")]
-    runs = cats.groupby("run_id")["provider"].agg(lambda p: {"ours", "baseline"} <= set(p)) if not cats.empty else []
-    both = [run for run, ok in (runs.items() if len(runs) else []) if ok]
+    both = (cats.groupby("run_id")["provider"].agg(lambda p: {"ours", "baseline"} <= set(p)) if not cats.empty
+            else pd.Series(dtype=bool))
+    both = list(both[both].index)  # the runs that profiled both providers
     if not both:
         return r.note_missing(doc, "stack profile", "a profile of ours and the baseline in one run (`bash "
                               "scripts/device_run.sh model-sizes-profile`, GPU)")

@@ -302,3 +302,26 @@ def test_stack_profile_puts_each_phase_and_kind_of_work_beside_the_baseline(tmp_
     assert [float(c) for c in forward.strip(" |").split("|")[1:]] == [10.0, 9.0, 6.0, 10.0]  # attention parts too
     first = next(line for line in section.splitlines() if "copy / index" in line)
     assert first.rstrip(" |").endswith("8")  # ours' largest excess, listed first
+
+
+def test_nsys_answers_take_each_configuration_from_its_own_rows(tmp_path):
+    """One command profiles several configurations in one run: each table row holds its own configuration's
+    forward time, top kernel and calls, not the run's last or summed ones."""
+    rows = []
+    for context, forward_ms, calls in ((256, 10.0, 84), (512, 30.0, 61)):
+        shape = dict(preset="small", context=context, batch=4, dtype="fp32", compile=False, attention="reference")
+        rows.append(_row("model", "ours", "time", forward_ms, mode="forward", **shape))
+        for mode in ("forward", "train-step"):
+            rows.append(_row("model", "ours", "profile_category_time", forward_ms / 2, mode=mode, range="forward",
+                             category="matmul", **shape))
+        kernel = _row("model", "ours", "profile_kernel_time", forward_ms / 2, mode="forward", range="forward",
+                      kernel=f"gemm_{context}", **shape)
+        kernel["config"]["calls_per_step"] = calls
+        rows.append(kernel)
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## nsys_profile"):text.index("## mixed_precision")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines()
+             if line.startswith("| small")]
+    # context, forward kernels ms, forward timed ms, top forward kernel, its calls per forward
+    assert [c[1:6] for c in cells] == [["256", "5", "10", "gemm_256", "84"], ["512", "15", "30", "gemm_512", "61"]]
+    assert "0.50x the forward time" in section  # each configuration's kernels against its own forward

@@ -9,8 +9,10 @@ import math
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from cs336_systems.memory.policy import CheckpointPolicy
+from cs336_systems.results import ResultStore
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -160,6 +162,15 @@ def peak_above_inputs(step, device: torch.device, leaves: list[torch.Tensor]) ->
     step()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def run_cases(command: str, args, cases, run_case):
+    """Runs `run_case(case, args, store)` for each case under a progress bar, its rows into the command's result
+    store, which it returns for the summary table."""
+    store = ResultStore(command, args.device, args.results_dir)
+    for case in tqdm(cases, desc=command, disable=args.no_progress):
+        run_case(case, args, store)
+    return store
 
 
 def time_and_peak(make_step, device: torch.device, store, provider: str, config: dict, *, warmup_ms: float,

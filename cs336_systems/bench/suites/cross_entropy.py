@@ -35,7 +35,6 @@ from types import SimpleNamespace
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import chunked_cross_entropy
@@ -136,10 +135,7 @@ def loss_fn(provider: str, chunk_tokens: int):
 
 def run(args) -> int:
     check_liger(args.provider, args.device, "cross-entropy")
-    store = ResultStore("cross-entropy", args.device, args.results_dir)
-    for case in tqdm(cases(args), desc="cross-entropy", disable=args.no_progress):
-        _run_case(case, args, store)
-    _print_table(store, args)
+    _print_table(common.run_cases("cross-entropy", args, cases(args), _run_case), args)
     return 0
 
 

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from cs336_systems.bench import common
 from cs336_systems.bench.suites.cross_entropy import check_liger, liger_by_default
@@ -135,10 +134,7 @@ def step_fn(case: OpCase, device: torch.device):
 
 def run(args) -> int:
     check_liger(args.provider, args.device, "fused-ops")
-    store = ResultStore("fused-ops", args.device, args.results_dir)
-    for case in tqdm(cases(args), desc="fused-ops", disable=args.no_progress):
-        _run_case(case, args, store)
-    _print_table(store, args)
+    _print_table(common.run_cases("fused-ops", args, cases(args), _run_case), args)
     return 0
 
 

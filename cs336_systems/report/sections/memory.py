@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.memory.policy import CheckpointPolicy
 from cs336_systems.report.document import Code, Document, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest
 
+
+def _policy_order(text: str) -> tuple:
+    """The table's order: none, every block, every k by k, then the rest (nested)."""
+    policy = CheckpointPolicy.parse(text)
+    return ({"none": 0, "every-block": 1, "every-k": 2}.get(policy.scheme, 3), policy.size or 0, text)
 
 def _nested_sentence(table: list[dict]) -> str:
     nested = [t for t in table if t["policy"] == "nested" and t["error"] != "-"]
@@ -59,6 +65,7 @@ def checkpointing_and_memory_model(doc: Document, r: Results) -> None:
                       "predicted GiB": round(predicted, 2),
                       "error": f"{100 * (predicted / measured - 1):+.1f} %" if measured else "-",
                       "step ms": round(t["median"].iloc[0]) if len(t) else "-"})
+    table.sort(key=lambda t: (t["context"], _policy_order(t["policy"])))
     search_context = max(t["context"] for t in table)
     others = ", ".join(str(c) for c in sorted({t["context"] for t in table} - {search_context}))
     doc.add(Paragraph(f"`cs336-bench memory search --preset xl --context {search_context} --batch 4` (fp32, "

@@ -46,7 +46,7 @@ def test_committed_report_rebuilds_from_committed_results(tmp_path):
     text = (out / "report.md").read_text()
     for section in ("benchmarking_script", "nsys_profile", "mixed_precision_accumulation", "memory_profiling",
                     "pytorch_attention", "torch_compile", "distributed_communication_single_node",
-                    "ddp_bucketed", "communication_accounting", "Leaderboard", "flash_backward"):
+                    "ddp_bucketed", "communication_accounting", "leaderboard", "flash_backward"):
         assert section in text, section
     for image in (out / "figures").iterdir():
         assert f"figures/{image.name}" in text
@@ -325,3 +325,27 @@ def test_nsys_answers_take_each_configuration_from_its_own_rows(tmp_path):
     # context, forward kernels ms, forward timed ms, top forward kernel, its calls per forward
     assert [c[1:6] for c in cells] == [["256", "5", "10", "gemm_256", "84"], ["512", "15", "30", "gemm_512", "61"]]
     assert "0.50x the forward time" in section  # each configuration's kernels against its own forward
+
+
+HANDOUT_PROBLEMS = (
+    "benchmarking_script", "nsys_profile", "mixed_precision_accumulation", "benchmarking_mixed_precision",
+    "memory_profiling", "gradient_checkpointing", "pytorch_attention", "torch_compile", "flash_forward",
+    "flash_backward", "flash_benchmarking", "distributed_communication_single_node", "naive_ddp",
+    "naive_ddp_benchmarking", "minimal_ddp_flat_benchmarking", "ddp_overlap_individual_parameters",
+    "ddp_overlap_individual_parameters_benchmarking", "ddp_overlap_bucketed", "ddp_bucketed_benchmarking",
+    "communication_accounting", "optimizer_state_sharding", "optimizer_state_sharding_accounting", "fsdp",
+    "fsdp_accounting", "alternate_ring_all_reduce", "data_parallel_calcs", "fsdp_calcs", "tp_calcs", "fsdp_tp_calcs",
+    "leaderboard",
+)
+
+
+def test_each_handout_problem_has_a_section_in_the_handouts_order(tmp_path):
+    """The 30 problems (the 2026 handout's, with the 2025 guide's bucketed DDP and communication accounting where
+    that guide puts them), one heading each, in order, even from an empty results folder."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "precision.jsonl").write_text("")  # a results folder holding no rows yet
+    for results in (tmp_path / "results", "results"):
+        assert main(["--results-dir", str(results), "--out", str(tmp_path / "docs")]) == 0
+        headings = [line[3:].split(":")[0] for line in (tmp_path / "docs" / "report.md").read_text().splitlines()
+                    if line.startswith("## ")]
+        assert [h for h in headings if h in HANDOUT_PROBLEMS] == list(HANDOUT_PROBLEMS)

@@ -11,7 +11,7 @@ from cs336_systems.report.sections.common import Results, environment, latest
 
 
 def leaderboard(doc: Document, r: Results) -> None:
-    doc.add(Heading("Leaderboard: the 8B training step at 32k context"))
+    doc.add(Heading("leaderboard: the 8B training step at 32k context"))
     lb = r.frame("leaderboard")
     steps = lb[(lb["metric"] == "step_time") & (lb["preset"] == "leaderboard-8b")] if not lb.empty else lb
     if steps.empty:

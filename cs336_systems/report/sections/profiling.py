@@ -122,7 +122,7 @@ def _warmup_study(doc: Document, study: pd.DataFrame, warmed: pd.DataFrame) -> N
 
 
 def mixed_precision_accumulation(doc: Document, r: Results) -> None:
-    doc.add(Heading("mixed_precision_accumulation and benchmarking_mixed_precision"))
+    doc.add(Heading("mixed_precision_accumulation: summing in fp16 and fp32"))
     prec = r.frame("precision")
     if prec.empty:
         return r.note_missing(doc, "mixed_precision_accumulation", "`cs336-bench precision` rows")
@@ -133,8 +133,15 @@ def mixed_precision_accumulation(doc: Document, r: Results) -> None:
     doc.add(Paragraph("An fp16 accumulator loses the small addends once the sum grows (its spacing near 10 is "
                       "2^-7); accumulating in fp32 keeps the error at the fp16 rounding of 0.01 itself, whether "
                       "the addend is converted explicitly or implicitly."))
-    dtypes = prec[prec["metric"] == "dtype"]
-    if (dtypes["device"] == "cuda").any():
+
+
+def benchmarking_mixed_precision(doc: Document, r: Results) -> None:
+    doc.add(Heading("benchmarking_mixed_precision: autocast's dtypes and speed"))
+    prec = r.frame("precision")
+    dtypes = prec[prec["metric"] == "dtype"] if not prec.empty else prec
+    if dtypes.empty:
+        r.note_missing(doc, "benchmarking_mixed_precision", "(a): `cs336-bench precision` dtype rows")
+    elif (dtypes["device"] == "cuda").any():
         dtypes = dtypes[dtypes["device"] == "cuda"]  # the handout's question is CUDA's autocast
     if not dtypes.empty:
         dtypes = latest(dtypes, ["tensor", "autocast"])
@@ -157,8 +164,10 @@ def mixed_precision_accumulation(doc: Document, r: Results) -> None:
                       "mantissa rounds the reductions even more coarsely, so the statistics still belong in fp32 "
                       "(as our RMSNorm keeps them), while its inputs and outputs may stay in bf16."))
     model = eager_reference_rows(r.frame("model"))
-    step = model[(model["compile"] == False) & (model["mode"] == "train-step")]  # noqa: E712
-    if not step.empty:
+    step = model[(model["compile"] == False) & (model["mode"] == "train-step")] if not model.empty else model  # noqa: E712
+    if step.empty:
+        r.note_missing(doc, "benchmarking_mixed_precision", "(c): model rows in fp32 and bf16 (GPU)")
+    else:
         # Both dtypes from one run per size and provider: runs of other days timed a busier or quieter host.
         both = step.groupby("run_id")["dtype"].transform(lambda d: d.nunique() > 1)
         step = step[both] if both.any() else step
@@ -308,7 +317,7 @@ def _largest_allocations(doc: Document, r: Results, model: pd.DataFrame) -> None
 
 
 def torch_compile_model(doc: Document, r: Results) -> None:
-    doc.add(Heading("torch_compile (b): the compiled model"))
+    """torch_compile (b), under the heading `attention.compiled_attention` opens."""
     model = eager_reference_rows(r.frame("model"))
     if model.empty:
         return r.note_missing(doc, "torch_compile", "model rows (GPU)")
@@ -328,7 +337,7 @@ def torch_compile_model(doc: Document, r: Results) -> None:
                           "speed-up": (both["median_eager"] / both["median"]).round(2),
                           "eager from": both["eager_run"] + " run"})
     scope = ", ".join(sorted(set(col(comp, "compile_scope", "model").fillna("model"))))
-    doc.add(Paragraph(f"`cs336-bench model --compile on --compile-scope block` (compile scope: {scope}; each "
+    doc.add(Paragraph(f"(b) `cs336-bench model --compile on --compile-scope block` (compile scope: {scope}; each "
                       "Transformer block compiled on its own, so large models compile in seconds; ours and the "
                       "baseline compiled the same way). Compiled: " + environment(compiled) + " Eager: " +
                       environment(latest(eager, keys))))

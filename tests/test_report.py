@@ -50,6 +50,9 @@ def test_committed_report_rebuilds_from_committed_results(tmp_path):
         assert section in text, section
     for image in (out / "figures").iterdir():
         assert f"figures/{image.name}" in text
+    # The committed report is what the committed rows and code build, byte for byte (re-run `cs336-report` after
+    # changing either).
+    assert text == open("docs/report.md", encoding="utf-8").read()
 
 
 def test_missing_results_dir_is_a_clear_error(tmp_path, capsys):

@@ -240,6 +240,7 @@ def memory_profiling(doc: Document, r: Results) -> None:
                               "score tensors, several "
                               "per block, dominate)."))
         _mixed_precision_peaks(doc, peaks)
+        _residual_stream_size(doc, int(peaks["batch"].iloc[0]) if "batch" in peaks else 4)
         for name in sorted(p.name for p in r.results_dir.glob("xl_ctx*_memory.png")):
             path = r.copy_figure(name)
             doc.add(Figure(path, f"active memory timeline: {name.removesuffix('_memory.png')}"))
@@ -278,6 +279,16 @@ def memory_profiling(doc: Document, r: Results) -> None:
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
                       f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
                       f"({batch * short * d * 4 / 2**20:.0f} MiB at {short})."))
+
+
+def _residual_stream_size(doc: Document, batch: int) -> None:
+    """memory_profiling (d): one residual-stream activation of xl in fp32, from the config."""
+    xl = ModelConfig.from_name("xl")
+    sizes = ", ".join(f"{batch * context * xl.d_model * 4 / 2**20:g} MiB at context {context}"
+                      for context in MEMORY_CONTEXTS)
+    doc.add(Paragraph(f"(d) A residual-stream activation of xl is a (batch, context, d_model) tensor, batch x context "
+                      f"x {xl.d_model} x 4 bytes in fp32: with batch {batch}, {sizes}. Each block saves several "
+                      "tensors of this size and wider ones (the FFN's d_ff) for the backward."))
 
 
 def _mixed_precision_peaks(doc: Document, peaks: pd.DataFrame) -> None:

@@ -13,6 +13,8 @@ import pandas as pd
 IMPLEMENTATIONS = ("triton", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "naive", "naive-compiled", "pytorch-flash",
                    "triton-native", "triton-python", "triton-two-pass-bwd", "triton-tl-bwd", "triton-fused-bwd",
                    "triton-compile-bwd", "triton-tf32x3", "ours", "baseline", "torch", "liger")
+# The training step's phases, the same colour in every memory timeline.
+PHASE_COLOURS = {"forward": "tab:green", "loss": "tab:red", "backward": "tab:orange", "optimizer": "tab:purple"}
 
 
 def _pyplot():
@@ -123,5 +125,36 @@ def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+
+def plot_memory_timeline(points: pd.DataFrame, path: Path, title: str) -> Path:
+    """Active memory (GiB) against time (ms), each phase's span shaded: `points` holds ms, gib and phase columns
+    (`profiling.memory_timeline.timeline_points`, or the rows the model suite stored from them)."""
+    plt = _pyplot()
+    points = points.sort_values("ms")
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.step(points["ms"], points["gib"], where="post", color="tab:blue", lw=1)
+    # A phase's span: from its first point to the point after its last (consecutive points of one phase).
+    runs = (points["phase"] != points["phase"].shift()).cumsum()
+    ends = points["ms"].shift(-1).fillna(points["ms"].iloc[-1])
+    shown = set()
+    for _, run in points.assign(end=ends).groupby(runs):
+        phase = run["phase"].iloc[0]
+        if phase:
+            ax.axvspan(run["ms"].iloc[0], run["end"].iloc[-1], alpha=0.15, color=PHASE_COLOURS.get(phase, "grey"),
+                       label=None if phase in shown else phase)
+            shown.add(phase)
+    if shown:
+        ax.legend(loc="upper right")
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("active memory (GiB)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -2,10 +2,12 @@
 
 import time
 
+import pandas as pd
 import torch
 
 import cs336_basics.model as basics_model
-from cs336_systems.profiling.memory_timeline import active_memory_series, largest_allocations, plot_active_memory
+from cs336_systems.plots import plot_memory_timeline
+from cs336_systems.profiling.memory_timeline import active_memory_series, largest_allocations, timeline_points
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 
 
@@ -59,8 +61,19 @@ def test_active_memory_series_replays_the_trace():
     assert levels == [150, 180, 130]
 
 
-def test_plot_active_memory_writes_png(tmp_path):
-    png = plot_active_memory(_snapshot(), tmp_path / "m.png", title="t", phases=[("forward", 0.0, 1500.0)])
+def test_timeline_points_keep_every_peak_and_tag_phases():
+    points = timeline_points(_snapshot(), phases=[("forward", 0.0, 1500.0)])
+    assert points == [{"ms": 0.0, "gib": 150 / 2**30, "phase": "forward"},
+                      {"ms": 1.0, "gib": 180 / 2**30, "phase": "forward"},
+                      {"ms": 2.0, "gib": 130 / 2**30, "phase": ""}]
+    # Cut to two points: the first run's highest level (180 at 1 ms) survives, not its first.
+    assert [p["gib"] * 2**30 for p in timeline_points(_snapshot(), max_points=2)] == [180, 130]
+    assert timeline_points(dict(device_traces=[])) == []
+
+
+def test_plot_memory_timeline_writes_png(tmp_path):
+    points = pd.DataFrame(timeline_points(_snapshot(), phases=[("forward", 0.0, 1500.0)]))
+    png = plot_memory_timeline(points, tmp_path / "m.png", title="t")
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -352,3 +352,14 @@ def test_each_handout_problem_has_a_section_in_the_handouts_order(tmp_path):
         headings = [line[3:].split(":")[0] for line in (tmp_path / "docs" / "report.md").read_text().splitlines()
                     if line.startswith("## ")]
         assert [h for h in headings if h in HANDOUT_PROBLEMS] == list(HANDOUT_PROBLEMS)
+
+
+def test_memory_timeline_is_drawn_from_its_rows(tmp_path):
+    rows = []
+    for index, (ms, gib, phase) in enumerate(((0.0, 10.0, "forward"), (5.0, 30.0, "backward"), (9.0, 20.0, ""))):
+        rows.append(_row("memory-timeline", "ours", "active_memory", gib, preset="xl", context=128, dtype="fp32",
+                         mode="train-step", steps=3, point=index, ms=ms, phase=phase))
+    text = _report_from(tmp_path, "memory-timeline", rows)
+    assert "active memory timeline: xl_ctx128_fp32_ours_train-step, drawn from its 3 rows" in text
+    assert (tmp_path / "docs" / "figures" / "xl_ctx128_fp32_ours_train-step_memory.png").exists()
+    assert "timelines as rows" not in text

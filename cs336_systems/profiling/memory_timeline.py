@@ -1,9 +1,10 @@
-"""CUDA memory history over a region: a snapshot for pytorch.org/memory_viz and our own PNG.
+"""CUDA memory history over a region: a snapshot for pytorch.org/memory_viz and our own timeline.
 
 `record_memory_history()` wraps `torch.cuda.memory._record_memory_history`; on exit it
-dumps the snapshot pickle. `plot_active_memory` replays the allocator trace (alloc /
-free_completed) into active bytes over time and draws it with the phases shaded;
-`largest_allocations` names the biggest allocations and the model code that made them.
+dumps the snapshot pickle. `timeline_points` replays the allocator trace (alloc /
+free_completed) into active bytes over time, a few hundred points tagged with their phase
+(the rows `plots.plot_memory_timeline` draws); `largest_allocations` names the biggest
+allocations and the model code that made them.
 """
 
 from __future__ import annotations
@@ -97,35 +98,21 @@ def largest_allocations(snapshot: dict, top: int = 5, device: int = 0) -> list[d
             for size, origins in largest]
 
 
-def plot_active_memory(snapshot: dict, png_path: str | Path, *, title: str,
-                       phases: list[tuple[str, float, float]] = ()) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    times, levels = active_memory_series(snapshot)
-    fig, ax = plt.subplots(figsize=(10, 4))
-    if times:
-        t0 = times[0]
-        has_clock = "time_us" in snapshot["device_traces"][0][0]
-        xs = [(t - t0) / 1e3 for t in times] if has_clock else times
-        ax.step(xs, [b / 2**30 for b in levels], where="post", color="tab:blue", lw=1)
-        colours = {"forward": "tab:green", "backward": "tab:orange", "optimizer": "tab:purple", "loss": "tab:red"}
-        if has_clock:
-            for name, start, end in phases:
-                ax.axvspan((start - t0) / 1e3, (end - t0) / 1e3, alpha=0.15, color=colours.get(name, "grey"),
-                           label=name)
-            handles, labels = ax.get_legend_handles_labels()
-            unique = dict(zip(labels, handles))
-            if unique:
-                ax.legend(unique.values(), unique.keys(), loc="upper right")
-        ax.set_xlabel("time (ms)" if has_clock else "allocator event")
-    ax.set_ylabel("active memory (GiB)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return Path(png_path)
+def timeline_points(snapshot: dict, phases: list[tuple[str, float, float]] = (), max_points: int = 200,
+                    device: int = 0) -> list[dict]:
+    """The active-memory timeline as at most `max_points` points {ms, gib, phase}: the trace cut into equal runs
+    of events, each run's highest level (so every peak survives), at its time from the first event (or its event
+    index where the trace has no clock), in the phase whose span holds it ('' outside every phase)."""
+    times, levels = active_memory_series(snapshot, device)
+    if not times:
+        return []
+    has_clock = "time_us" in snapshot["device_traces"][device][0]
+    per_point = max(1, -(-len(levels) // max_points))  # ceil
+    points = []
+    for start in range(0, len(levels), per_point):
+        top = max(range(start, min(start + per_point, len(levels))), key=levels.__getitem__)
+        when = times[top]
+        phase = next((name for name, begin, end in phases if begin <= when <= end), "") if has_clock else ""
+        points.append({"ms": (when - times[0]) / 1e3 if has_clock else float(top), "gib": levels[top] / 2**30,
+                       "phase": phase})
+    return points

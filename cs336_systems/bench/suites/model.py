@@ -18,6 +18,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm import tqdm
 
@@ -342,11 +343,12 @@ def _profile(harness: _Harness, mode: str, config: dict, args, store: ResultStor
 
 
 def _memory(harness: _Harness, mode: str, config: dict, args, store: ResultStore) -> None:
+    from cs336_systems.plots import plot_memory_timeline
     from cs336_systems.profiling.memory_timeline import (
         PhaseClock,
         largest_allocations,
-        plot_active_memory,
         record_memory_history,
+        timeline_points,
     )
 
     clock = PhaseClock()
@@ -364,10 +366,18 @@ def _memory(harness: _Harness, mode: str, config: dict, args, store: ResultStore
         for _ in range(steps):
             step()
         torch.cuda.synchronize(args.device)
+    # The timeline as rows (results/memory-timeline.jsonl: the report draws its figure from them) and as a PNG.
+    points = timeline_points(recorded["snapshot"], clock.marks)
+    timeline = ResultStore("memory-timeline", args.device, args.results_dir)
+    for index, point in enumerate(points):
+        timeline.add(provider=harness.case.provider,
+                     config=config | {"mode": mode, "steps": steps, "point": index, "ms": round(point["ms"], 3),
+                                      "phase": point["phase"]},
+                     metric="active_memory", unit="GiB", value=point["gib"])
     png = Path(args.results_dir) / (stem.name + "_memory.png")
-    plot_active_memory(recorded["snapshot"], png, phases=clock.marks,
-                       title=f"{harness.case.preset} ctx {harness.case.context} {harness.case.dtype} {mode}: "
-                             f"active memory over {steps} steps")
+    if points:
+        plot_memory_timeline(pd.DataFrame(points), png, f"{harness.case.preset} ctx {harness.case.context} "
+                             f"{harness.case.dtype} {mode}: active memory over {steps} steps")
     print(f"memory timeline: {png}; snapshot for pytorch.org/memory_viz: {stem.with_suffix('.memory.pickle')}")
     for rank, allocation in enumerate(largest_allocations(recorded["snapshot"])):
         store.add(provider=harness.case.provider,

@@ -203,6 +203,7 @@ def memory_profiling(doc: Document, r: Results) -> None:
     peaks = peaks[peaks["context"].isin(MEMORY_CONTEXTS)] if not peaks.empty else peaks
     if peaks.empty:
         r.note_missing(doc, "memory_profiling", "xl --memory runs at context 128/2048 (GPU)")
+        _memory_timelines(doc, r)
     else:
         peaks = latest(peaks, ["context", "dtype", "mode", "phase"])
         wide = peaks.pivot_table(index=["context", "dtype", "mode"], columns="phase", values="median").reset_index()
@@ -241,9 +242,7 @@ def memory_profiling(doc: Document, r: Results) -> None:
                               "per block, dominate)."))
         _mixed_precision_peaks(doc, peaks)
         _residual_stream_size(doc, int(peaks["batch"].iloc[0]) if "batch" in peaks else 4)
-        for name in sorted(p.name for p in r.results_dir.glob("xl_ctx*_memory.png")):
-            path = r.copy_figure(name)
-            doc.add(Figure(path, f"active memory timeline: {name.removesuffix('_memory.png')}"))
+        _memory_timelines(doc, r)
         _largest_allocations(doc, r, model)
     saved = r.frame("memory")
     saved = saved[saved["metric"] == "saved_bytes"] if not saved.empty else saved
@@ -279,6 +278,37 @@ def memory_profiling(doc: Document, r: Results) -> None:
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
                       f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
                       f"({batch * short * d * 4 / 2**20:.0f} MiB at {short})."))
+
+
+def _memory_timelines(doc: Document, r: Results) -> None:
+    """memory_profiling (a)'s figures: each xl timeline drawn from its `memory-timeline` rows; a timeline measured
+    before those rows existed is the PNG its run drew, copied and listed as missing rows."""
+    from cs336_systems.plots import plot_memory_timeline
+
+    rows = r.frame("memory-timeline")
+    rows = rows[rows["preset"] == "xl"] if not rows.empty else rows
+    drawn = set()
+    keys = ["context", "dtype", "mode"]
+    if not rows.empty:
+        newest = rows.sort_values("timestamp").groupby(keys)["run_id"].last()
+        for (context, dtype, mode), run in newest.items():
+            points = rows[rows["run_id"] == run].rename(columns={"median": "gib"})
+            stem = f"xl_ctx{int(context)}_{dtype}_ours_{mode}"
+            plot_memory_timeline(points, r.figures_dir / f"{stem}_memory.png",
+                                 f"xl ctx {int(context)} {dtype} {mode}: active memory over "
+                                 f"{shared_value(points['steps'])} steps")
+            doc.add(Figure(f"figures/{stem}_memory.png", f"active memory timeline: {stem}, drawn from its "
+                                                         f"{len(points)} rows. " + environment(points)))
+            drawn.add(stem)
+    copied = [p.name for p in sorted(r.results_dir.glob("xl_ctx*_memory.png"))
+              if p.name.removesuffix("_memory.png") not in drawn]
+    for name in copied:
+        doc.add(Figure(r.copy_figure(name), f"active memory timeline: {name.removesuffix('_memory.png')} (the PNG its "
+                                            "run drew from the allocator snapshot)"))
+    if copied:
+        names = ", ".join(name.removesuffix("_memory.png") for name in copied)
+        r.missing.append(("memory_profiling", f"(a): timelines as rows for {names} (`bash scripts/device_run.sh "
+                                              "memory-profile`, GPU)"))
 
 
 def _residual_stream_size(doc: Document, batch: int) -> None:

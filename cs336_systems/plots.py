@@ -26,6 +26,15 @@ def _pyplot():
     return plt
 
 
+def _saved(plt, fig, path: Path, dpi: int = 120) -> Path:
+    """Lay the figure out, write it to `path` (its folder made) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def provider_colour(name: str) -> tuple:
     """The colour of implementation `name` in every figure."""
     import matplotlib
@@ -96,11 +105,7 @@ def plot_collectives(frame: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
     ax_time.set_yscale("log")
     ax_bw.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _saved(plt, fig, path)
 
 
 def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
@@ -122,11 +127,7 @@ def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("ours / baseline (train step time)")
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(plt, fig, path, dpi=110)
 
 
 
@@ -153,8 +154,4 @@ def plot_memory_timeline(points: pd.DataFrame, path: Path, title: str) -> Path:
     ax.set_ylabel("active memory (GiB)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _saved(plt, fig, path)

@@ -363,3 +363,30 @@ def test_memory_timeline_is_drawn_from_its_rows(tmp_path):
     assert "active memory timeline: xl_ctx128_fp32_ours_train-step, drawn from its 3 rows" in text
     assert (tmp_path / "docs" / "figures" / "xl_ctx128_fp32_ours_train-step_memory.png").exists()
     assert "timelines as rows" not in text
+
+
+def test_a_rows_age_counts_code_commits_only(tmp_path):
+    """Committing the rebuilt report, notes or rows does not age the rows (so the committed report stays what a
+    rebuild at HEAD makes); a commit of code does."""
+    import subprocess
+
+    from cs336_systems.report.sections.common import commits_behind
+
+    def commit(path, text):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", path], cwd=tmp_path,
+                       check=True)
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    measured = commit("pkg/code.py", "a = 1\n")
+    for path in ("docs/report.md", "notes/setup.md", "results/model.jsonl"):
+        commit(path, "x\n")
+    assert commits_behind(measured, tmp_path) == 0
+    commit("pkg/code.py", "a = 2\n")
+    commits_behind.cache_clear()  # one report build sees one HEAD; this test moves it
+    assert commits_behind(measured, tmp_path) == 1
+    assert commits_behind("0" * 40, tmp_path) is None

@@ -53,30 +53,37 @@ class Results:
             return None
         return frame
 
+# What a commit may change without making any row older: the report, the notes and the rows themselves.
+REPORT_ONLY_FOLDERS = ("docs", "notes", "results")
+
+
 @functools.cache
-def commits_behind(commit: str) -> int | None:
-    """How many commits the checkout's HEAD is past `commit` (None outside a git checkout, or for a commit
-    this history does not hold): a table's rows that old may no longer describe the code."""
+def commits_behind(commit: str, repo: Path | None = None) -> int | None:
+    """How many commits between `commit` and HEAD changed code, in the checkout holding `repo` (ours by default);
+    None outside a git checkout or for a commit its history does not hold. A table's rows that old may no longer
+    describe the code. Commits of the report itself, the notes or result rows do not count, so committing a rebuilt
+    report leaves it byte-identical to a rebuild at the new HEAD."""
     if not commit or commit in ("nan", "None", "unknown"):
         return None
     try:
-        done = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD"], cwd=Path(__file__).parent,
-                              capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD", "--", ":/",
+                               *(f":(top,exclude){folder}" for folder in REPORT_ONLY_FOLDERS)],
+                              cwd=repo or Path(__file__).parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return int(done.stdout) if done.returncode == 0 and done.stdout.strip().isdigit() else None
 
 
 def environment(frame: pd.DataFrame) -> str:
-    """'measured on X (torch a, triton b), commits c, d (n-m commits before the build)' for the rows of a table."""
+    """'measured on X (torch a, triton b), commits c, d (n-m code commits before the build)' for a table's rows."""
     if frame.empty:
         return "no rows"
     parts = []
     for (device, torch_v, triton_v), rows in frame.groupby(["device_name", "torch", "triton"], dropna=False):
         shas = sorted({str(c)[:10] for c in rows["git_commit"]})
         ages = [a for a in map(commits_behind, shas) if a is not None]
-        age = "" if not ages else (f"; {min(ages)} commits before the build" if min(ages) == max(ages)
-                                   else f"; {min(ages)}-{max(ages)} commits before the build")
+        age = "" if not ages else (f"; {min(ages)} code commits before the build" if min(ages) == max(ages)
+                                   else f"; {min(ages)}-{max(ages)} code commits before the build")
         parts.append(f"{device} (torch {torch_v}, triton {triton_v}; commit {', '.join(shas)}{age})")
     return "Measured on " + "; ".join(parts) + "."
 

@@ -122,10 +122,10 @@ def _warmup_study(doc: Document, study: pd.DataFrame, warmed: pd.DataFrame) -> N
 
 
 def mixed_precision_accumulation(doc: Document, r: Results) -> None:
-    doc.add(Heading("mixed_precision_accumulation: summing in fp16 and fp32"))
-    prec = r.frame("precision")
-    if prec.empty:
-        return r.note_missing(doc, "mixed_precision_accumulation", "`cs336-bench precision` rows")
+    prec = r.open_section(doc, "mixed_precision_accumulation: summing in fp16 and fp32", "precision",
+                          "mixed_precision_accumulation", "`cs336-bench precision` rows")
+    if prec is None:
+        return
     loops = latest(prec[prec["metric"] == "sum"], ["loop"])
     doc.add(Paragraph("`cs336-bench precision`: 1000 additions of 0.01 (exact sum 10). " + environment(loops)))
     doc.add(Table(pd.DataFrame({"loop": loops["loop"], "sum": loops["median"].round(6),

@@ -179,3 +179,42 @@ def test_weight_grad_accumulation_is_checked():
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     with pytest.raises(ValueError, match="weight_grad_accumulation must be one of fp32, weight, got 'bf16'"):
         lm_head_cross_entropy(h, w, t, weight_grad_accumulation="bf16")
+
+
+@pytest.mark.parametrize("path", ["kernel", "eager"])
+def test_one_chunk_of_logits_is_alive_at_a_time(path, monkeypatch):
+    """When a chunk's logits are made, no earlier chunk's vocab-wide tensor is still alive (the loss's peak holds
+    one chunk, not two): every (chunk, vocab) tensor an op makes is watched through a weak reference."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import cs336_systems.kernels.cross_entropy as ce
+    from tests._support import kernel_device
+
+    vocab, chunk = 4099, 4
+    device = kernel_device() if path == "kernel" else "cpu"
+    monkeypatch.setattr(ce, "_uses_kernel", lambda hidden: path == "kernel")
+
+    class VocabWideTensors(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.alive, self.most = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape == (chunk, vocab) and out._base is None:
+                self.alive = [ref for ref in self.alive if ref() is not None]
+                self.alive.append(weakref.ref(out))
+                self.most = max(self.most, len({ref().untyped_storage().data_ptr() for ref in self.alive
+                                                if ref() is not None}))
+            return out
+
+    h = torch.randn(4 * chunk, 16, device=device, requires_grad=True)
+    w = torch.randn(vocab, 16, device=device, requires_grad=True)
+    t = torch.randint(0, vocab, (4 * chunk,), device=device)
+    watch = VocabWideTensors()
+    with watch:
+        lm_head_cross_entropy(h, w, t, chunk_tokens=chunk).backward()
+    # fp32 inputs: both paths turn the logits into their gradient in place
+    assert watch.most == 1

@@ -181,11 +181,15 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
         else:
             losses, probs = _softmax_xent_grad_eager(logits, t, valid[start:start + chunk_tokens], scale, acc)
             grad_logits = probs.to(h.dtype)
+            del probs  # (grad_logits itself where the dtypes match)
         loss += losses.sum()
         if grad_h is not None:
             torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
         if grad_w is not None:
             _accumulate_product_(grad_w, grad_logits.T, h)
+        # Free this chunk's logits before the next chunk's product allocates its own: otherwise both are alive at
+        # that moment and the loss's peak holds two chunks (1.16 GiB each at 4096 x 151936 in bf16).
+        del logits, grad_logits
     return loss * scale, grad_h, grad_w
 
 

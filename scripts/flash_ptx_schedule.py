@@ -46,7 +46,8 @@ NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
 
 
 TL_AUTOTUNERS = {"forward": forward.flash_forward_kernel, "dkdv": backward.flash_dkdv_kernel,
-                 "fused": backward.flash_bwd_fused_kernel, "dq": backward.flash_dq_kernel}
+                 "fused": backward.flash_bwd_fused_kernel, "dq": backward.flash_dq_kernel,
+                 "dv-split": backward.flash_key_grad_kernel, "dk-split": backward.flash_key_grad_kernel}
 
 
 def first_tl_config(name: str, dtype: str, precision: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -67,8 +68,11 @@ def kernels(dtype: str) -> dict:
         # The tl kernels: shipped config None, the first their autotuner keeps for the launch (`first_tl_config`).
         "forward": (forward.flash_forward_kernel.fn, {n: t for n in ("Q", "K", "V", "O")} | {"L": "*fp32"}, {},
                     None),
-        "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0}, None),
-        "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1}, None),  # the one-pass dK/dV
+        "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 0}, None),
+        "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1, "KEY_GRADS": 0}, None),  # the one pass
+        # The split key passes of wide heads (`backward.split_key_passes`): dV alone, then dK alone.
+        "dv-split": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 1}, None),
+        "dk-split": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 2}, None),
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                | {"L": "*fp32", "Delta": "*fp32"}, {}, None),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.

@@ -88,6 +88,21 @@ def test_triton_matches_reference_small(shape, causal, backward):
     _check_against_reference(_triton_fn(backward), shape, causal, torch.float32, device)
 
 
+# Head dims over 128 in 16 bits take the split key passes (a dV pass, then a dK pass: `choose_backward`'s
+# "dkdv-split"). fp16: the interpreter's fp16 products are right (its bf16 ones are not), so this runs on the CPU.
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 3, 33, 33, 256), (1, 2, 20, 45, 200), (2, 1, 1, 7, 256)])
+def test_split_key_passes_match_reference_at_wide_heads(shape, causal):
+    from cs336_systems.kernels.flash_attention.dispatch import BackwardOptions, choose_backward
+
+    if causal and shape[2] != shape[3]:
+        pytest.skip("causal masks square attention here")
+    device = kernel_device()
+    q = torch.empty(shape[0], shape[1], shape[2], shape[4], dtype=torch.float16, device=device)
+    assert choose_backward(q, q, q, q, BackwardOptions()).kernels == ("dkdv-split", "dq")
+    _check_against_reference(_triton_fn(), shape, causal, torch.float16, device)
+
+
 # Issue 33's two shapes that exceeded the error budget: 7 causal rows (the first sees one key) and one query row
 # over 64 keys.
 @pytest.mark.parametrize("implementation", ["pytorch", "triton"])
@@ -424,6 +439,9 @@ def test_precompile_lists_what_the_autotuner_would_try():
             tuner.nargs = None
     if device == "cpu":
         assert precompile([(32, torch.float32, True)], workers=2) == []
+    wide = _launches(256, torch.float16, True, device=device)  # the split key passes, each a kernel to compile
+    assert set(wide) == {"forward", "dv", "dk", "dq", "fused"}
+    assert [wide[name].flags["KEY_GRADS"] for name in ("dv", "dk")] == [1, 2] and _candidates(wide["dk"])
 
 
 def _run_ptx_script(*args: str):
@@ -526,6 +544,20 @@ def test_wide_head_first_configs_spill_nothing_at_d256(kernel, dtype):
     assert re.search(r"\b0 B spilled", line), line
 
 
+@pytest.mark.parametrize("kernel", ["dv-split", "dk-split"])
+def test_split_key_passes_run_on_wgmma_at_d256(kernel):
+    """The split passes' first tile (64 x 64 on 8 warps, what CS336_AUTOTUNE=0 launches) compiles for sm_90 within
+    the H200's 227 KiB, issues its products as wgmma (the fused pass's spill-free 32 x 32 tiles issue none) and
+    spills at most a few words (ptxas: dV 0 B, dK 68 B)."""
+    pytest.importorskip("triton")
+    done = _run_ptx_script("--kernel", kernel, "--dtype", "bf16", "--d", "256")
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert "64x64 w8" in line and re.search(r"\bW\d+", line), line
+    shared, spilled = re.search(r"shared (\d+) KiB", line), re.search(r"(\d+) B spilled", line)
+    assert shared and int(shared.group(1)) < 227 and spilled and int(spilled.group(1)) <= 128, line
+
+
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "fused", "dq"])
 def test_fp32_tensor_core_first_configs_fit_shared_memory_at_d128(kernel):
     """fp32 tiles on tensor cores take twice a 16-bit tile's shared memory: the first config the wide-head rule
@@ -569,6 +601,10 @@ def test_backward_choice_names_the_kernels_on_cpu():
     assert choose_backward(q, k, v, do, BackwardOptions(use_tma=True)).kernels == ("dkdv-tma", "dq-tma")
     shifted = [t[..., 1:33] for t in (q, k, v, do)]  # bases 4 bytes past 16-byte alignment: no descriptors
     assert choose_backward(*shifted, BackwardOptions(use_tma=True)).kernels == ("dkdv", "dq")
+    for d in (200, 256):  # wide heads in 16 bits: the dV and dK passes apart
+        wide = [torch.randn(1, 2, 64, d, dtype=torch.float16) for _ in range(4)]
+        assert choose_backward(*wide, BackwardOptions()).kernels == ("dkdv-split", "dq")
+    assert choose_backward(*(t.half() for t in (q, k, v, do)), BackwardOptions()).kernels == ("dkdv", "dq")
 
 
 @requires_hopper

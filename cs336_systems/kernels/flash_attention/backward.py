@@ -42,6 +42,12 @@ from cs336_systems.kernels.flash_attention import tiles
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 
+# Which key gradients a dK/dV pass forms (KEY_GRADS): both (the default), or one of them, for the split passes
+# of wide heads (`split_key_passes`).
+BOTH_KEY_GRADS = tl.constexpr(0)  # (the parameters' default, 0, is this)
+DV_ONLY = tl.constexpr(1)
+DK_ONLY = tl.constexpr(2)
+
 
 @triton.jit
 def flash_preprocess_kernel(O, dO, Delta, DQ_accum, o_strides, do_strides, stride_accum_bh, n_heads, n_queries,
@@ -82,11 +88,12 @@ def add_compensated(total, error, part):
 def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
                       qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False):
-    """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV; with DQ_REDUCE,
-    also add this key tile's share of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA
-    descriptor (DQ_REDUCE == 2, one bulk reduce-add per tile) or pointer atomics (DQ_REDUCE == 1).
-    qT_block and do_block come from `tiles.operand_tiles` (Q transposed, dO as is)."""
+                      DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False, KEY_GRADS: tl.constexpr = 0):
+    """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV (KEY_GRADS: both, or
+    only dV or only dK, whose pass skips the other's products); with DQ_REDUCE, also add this key tile's share
+    of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA descriptor (DQ_REDUCE == 2, one bulk
+    reduce-add per tile) or pointer atomics (DQ_REDUCE == 1). qT_block and do_block come from
+    `tiles.operand_tiles` (Q transposed, dO as is)."""
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
         do_block = tl.advance(do_block, (start_m, 0))
@@ -107,16 +114,21 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
         pT = tl.math.exp2(sT - lse[None, :] * LOG2E)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
-        dsT = pT * (dpT - delta[None, :])
-        if MASKED and IS_CAUSAL:
-            dsT = tl.where(offs_m[None, :] == 0, 0.0, dsT)  # the first row sees one key: dS is exactly 0
+        if KEY_GRADS != DV_ONLY:
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+            dsT = pT * (dpT - delta[None, :])
+            if MASKED and IS_CAUSAL:
+                dsT = tl.where(offs_m[None, :] == 0, 0.0, dsT)  # the first row sees one key: dS is exactly 0
         if PRECISION != "tf32":  # fp32-accurate dots ("ieee", "tf32x3"): compensated
-            dv, dv_error = add_compensated(dv, dv_error, tl.dot(pT, do, input_precision=PRECISION))
-            dk, dk_error = add_compensated(dk, dk_error, tl.dot(dsT, tl.trans(qT), input_precision=PRECISION))
+            if KEY_GRADS != DK_ONLY:
+                dv, dv_error = add_compensated(dv, dv_error, tl.dot(pT, do, input_precision=PRECISION))
+            if KEY_GRADS != DV_ONLY:
+                dk, dk_error = add_compensated(dk, dk_error, tl.dot(dsT, tl.trans(qT), input_precision=PRECISION))
         else:
-            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-            dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
+            if KEY_GRADS != DK_ONLY:
+                dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+            if KEY_GRADS != DV_ONLY:
+                dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)
         if DQ_REDUCE != 0:
             dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_D)
             if DQ_REDUCE == 2:  # rows past n_queries fall outside the descriptor and are dropped
@@ -202,6 +214,11 @@ DKDV_TILE_FAMILIES = {
     "tensor-core": ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2)),
     "ieee": DKDV_IEEE_FP32_TILES, "fp32-tensor-core": DKDV_FP32_TENSOR_CORE_TILES,
     "wide-tensor-core": DKDV_WIDE_TILES}
+# The split key passes at d 256 in 16 bits (`split_key_passes`): a dV pass and a dK pass, each holding one
+# (BLOCK_N, 256) fp32 accumulator where the fused dK/dV pass holds two, so 64-row tiles fit (the fused pass's
+# spill-free 32 x 32 tiles starve the tensor cores: fwd+bwd at d 256 took 8.0x the d 128 time at seq 131072,
+# results/attention.jsonl, 4a2f69e3b6db).
+SPLIT_KEY_TILES = ((64, 64, 8, 2), (64, 64, 8, 3), (32, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2))
 # The one-pass backward (dQ reduced into fp32) extends the dK/dV pass: its tiles, but its own 16-bit winners (and
 # at d 256 still the area cap: its extra dQ tile in shared memory was not checked with the wide tiles).
 FUSED_TILE_FAMILIES = {family: tiles for family, tiles in DKDV_TILE_FAMILIES.items()
@@ -250,7 +267,7 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                       PRECISION: tl.constexpr, DQ_REDUCE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False):
+                      BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr = False, KEY_GRADS: tl.constexpr = 0):
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     n0 = tl.program_id(0) * BLOCK_N
@@ -273,7 +290,10 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
     k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
-    v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")
+    if KEY_GRADS != DV_ONLY:
+        v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")
+    else:
+        v = k  # (unread: dV = P^T dO needs no V)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -284,29 +304,36 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         diagonal_end = tl.minimum(n0 + BLOCK_N, n_queries)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, n0, diagonal_end,
                                    n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M,
-                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
+                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
         unmasked_start = n0 + BLOCK_N
     else:
         unmasked_start = 0
     unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
                                full_query_tiles_end, n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL,
-                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
+                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
     dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
                                n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
-                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA)
+                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
     dk_block = tiles.head_tile(dK, b, h, dk_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
     dv_block = tiles.head_tile(dV, b, h, dv_strides, n_keys, head_dim, n0, BLOCK_N, BLOCK_D)
-    tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
-    tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
+    if KEY_GRADS != DV_ONLY:
+        tl.store(dk_block, (dk * sm_scale).to(dK.dtype.element_ty), boundary_check=(0, 1))
+    if KEY_GRADS != DK_ONLY:
+        tl.store(dv_block, dv.to(dV.dtype.element_ty), boundary_check=(0, 1))
 
 
 flash_dkdv_kernel = triton.autotune(
     configs=configs_from_families(DKDV_TILE_FAMILIES), key=_BACKWARD_KEY,
     prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_TILE_FAMILIES)})(_dkdv_kernel)
+# The same kernel forming one of dK and dV (KEY_GRADS), for wide heads: its own tiles and tuning cache.
+flash_key_grad_kernel = triton.autotune(
+    configs=configs_from_families({"wide-split": SPLIT_KEY_TILES}), key=_BACKWARD_KEY + ["KEY_GRADS"],
+    prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: (
+        configs if autotune_enabled() else configs[:1])})(_dkdv_kernel)
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
     configs=configs_from_families(FUSED_TILE_FAMILIES), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],
@@ -374,4 +401,5 @@ def compiled_backward(q, k, v, out, lse, grad_out, is_causal: bool):
 
 
 __all__ = ["LOG2E", "compiled_backward", "flash_bwd_fused_kernel", "flash_dkdv_kernel", "flash_dq_kernel",
+           "flash_key_grad_kernel",
            "flash_preprocess_kernel"]

@@ -34,15 +34,20 @@ from cs336_systems.kernels.flash_attention import (
     launch_plan,
 )
 from cs336_systems.kernels.flash_attention.backward import (
+    DK_ONLY,
+    DV_ONLY,
+    WIDE_HEAD_DIM,
     flash_bwd_fused_kernel,
     flash_dkdv_kernel,
     flash_dq_kernel,
+    flash_key_grad_kernel,
     flash_preprocess_kernel,
 )
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
 from cs336_systems.kernels.flash_attention.launches import (
     FixedLaunch,
     KernelLaunch,
+    LaunchSequence,
     has_tma,
     install_descriptor_allocator,
     tma_eligible,
@@ -206,7 +211,8 @@ class _ForwardPlan:
 class BackwardChoice:
     """The kernels of one backward, named as `cs336-bench attention-tune` names them: one pass
     (`fused-gluon-ws`, `fused-gluon`, `fused` or `fused-tma`) or a dK/dV pass and a dQ pass (`dkdv`,
-    `dkdv-gluon` or `dkdv-tma`; `dq`, `dq-gluon` or `dq-tma`). Every backward starts with the D preprocess."""
+    `dkdv-gluon`, `dkdv-tma` or `dkdv-split`, a dV pass then a dK pass; `dq`, `dq-gluon` or `dq-tma`). Every
+    backward starts with the D preprocess."""
 
     kernels: tuple[str, ...]
 
@@ -237,6 +243,8 @@ def choose_backward(q, k, v, grad_out, options: BackwardOptions) -> BackwardChoi
     if fused:
         return BackwardChoice(("fused" + tma,))
     dkdv, dq = "dkdv" + tma, "dq" + tma
+    if not tma and q4.element_size() == 2 and head_dim > WIDE_HEAD_DIM // 2:
+        dkdv = "dkdv-split"  # d 256 in 16 bits: one key gradient per pass, so 64-row tiles fit (backward.py)
     gluon_ok = hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, do4, dq4, dk4, dv4)
     if options.gluon is not False and not options.use_tma and gluon_ok:
         # By default only the passes measured faster than their `tl` twins (hopper_backward.GLUON_PASSES).
@@ -341,9 +349,15 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     if "gluon" in choice.kernels[0] or "gluon" in choice.kernels[1]:
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
                                                                is_causal, sm_scale)
-    dkdv = gluon_dkdv if choice.kernels[0] == "dkdv-gluon" else KernelLaunch(
-        flash_dkdv_kernel, (*common, dk4, dv4, None, *strides, dk4.stride(), dv4.stride(), *sizes),
-        flags | dict(DQ_REDUCE=0), key_grid)
+    dkdv_args = (*common, dk4, dv4, None, *strides, dk4.stride(), dv4.stride(), *sizes)
+    if choice.kernels[0] == "dkdv-gluon":
+        dkdv = gluon_dkdv
+    elif choice.kernels[0] == "dkdv-split":
+        dkdv = LaunchSequence(tuple(KernelLaunch(flash_key_grad_kernel, dkdv_args,
+                                                 flags | dict(DQ_REDUCE=0, KEY_GRADS=grads.value), key_grid)
+                                    for grads in (DV_ONLY, DK_ONLY)))
+    else:
+        dkdv = KernelLaunch(flash_dkdv_kernel, dkdv_args, flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = gluon_dq if choice.kernels[1] == "dq-gluon" else KernelLaunch(
         flash_dq_kernel, (*common, dq4, *strides, dq4.stride(), *sizes), flags,
         lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
@@ -363,7 +377,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: Backwa
         return flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal, max(1, q.shape[-2]), max(1, k.shape[-2]))
     choice = choose_backward(q, k, v, grad_out, options)
     launches, buffers = _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice)
-    launches = [launch for launch in launches if launch is not None]
+    launches = [part for launch in launches if launch is not None for part in getattr(launch, "parts", (launch,))]
     if not planned:
         for launch in launches:
             launch()
@@ -398,7 +412,7 @@ def chosen_configs() -> dict[str, dict]:
     """The autotuner's choices so far: kernel -> {tuning key: 'BLOCK_M=.., BLOCK_N=.., warps, stages'}."""
     chosen = {}
     for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel),
-                         ("fused", flash_bwd_fused_kernel)):
+                         ("fused", flash_bwd_fused_kernel), ("dkdv-split", flash_key_grad_kernel)):
         chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
         if not chosen[name] and len(kernel.configs) == 1:  # one candidate (the interpreter): never tuned
             chosen[name] = {"every key": str(kernel.configs[0])}

@@ -2,10 +2,11 @@
 
 A launch record holds one kernel's arguments, compile-time flags and grid, so that the same launch can be run
 as chosen (`__call__`), with one explicit tile config (`with_config`: what `cs336-bench attention-tune` times),
-or once more to capture a launch plan (`launch_for_plan`: launch_plan.py). Three kinds:
+or once more to capture a launch plan (`launch_for_plan`: launch_plan.py). Three kinds, and a sequence of them:
 - `KernelLaunch`: an autotuned `tl` kernel (forward.py, backward.py);
 - `FixedLaunch`: a bare kernel on a fixed grid (the backward's D preprocess);
-- `GluonPass`: a Gluon kernel with its one measured config (hopper_*.py).
+- `GluonPass`: a Gluon kernel with its one measured config (hopper_*.py);
+- `LaunchSequence`: launches run in turn in one slot (the split dV and dK passes of wide heads).
 
 Device facts: `has_tma` (Hopper's copy engine), `tma_eligible` (strides a tensor descriptor takes) and
 `install_descriptor_allocator` (the scratch memory kernels need to make descriptors).
@@ -47,6 +48,26 @@ class KernelLaunch:
         compiled = self.kernel.run(*self.args, grid=self.grid, warmup=False, **self.flags)
         params = {**self.flags, **self.kernel.best_config.all_kwargs()}
         return compiled, self.grid(params), bound_values(self.kernel.fn, self.args, params)
+
+
+@dataclass
+class LaunchSequence:
+    """Launches that run one after another in one slot of a backward (the split dV and dK passes of wide heads):
+    `parts` are captured into launch plans one by one."""
+
+    parts: tuple
+
+    def __call__(self):
+        for part in self.parts:
+            part()
+
+    def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
+        launches = [part.with_config(block_m, block_n, num_warps, num_stages) for part in self.parts]
+
+        def launch():
+            for part in launches:
+                part()
+        return launch
 
 
 @dataclass

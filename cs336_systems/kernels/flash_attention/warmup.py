@@ -24,13 +24,16 @@ WARM_SEQ = 128  # a multiple of 16 (so of every tile): the specialisation of any
 def _launches(head_dim: int, dtype: torch.dtype, causal: bool, device: str = "cuda") -> dict:
     """The forward and the backward kernels' launches (as the autograd Functions make them) on small inputs."""
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
-    from cs336_systems.kernels.flash_attention.launches import KernelLaunch
+    from cs336_systems.kernels.flash_attention.launches import KernelLaunch, LaunchSequence
 
     q, k, v, grad_out = (torch.randn(1, 1, WARM_SEQ, head_dim, device=device, dtype=dtype) for _ in range(4))
     forward, out, lse = forward_launch(q, k, v, causal)
     _, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)  # (Gluon: not tuned)
     _, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused)
+    if isinstance(dkdv, LaunchSequence):  # wide heads: the dV and the dK pass, each compiled on its own
+        del launches["dkdv"]
+        launches |= dict(zip(("dv", "dk"), dkdv.parts))
     if not isinstance(forward, KernelLaunch):  # the Gluon forward: one config, compiled on first use
         del launches["forward"]
     return launches

@@ -205,8 +205,10 @@ DQ_FP32_TENSOR_CORE_TILES = ((128, 64, 8, 2), (64, 32, 4, 2), (128, 32, 8, 2), (
 # registers. ptxas, sm_90, bf16 and fp16, causal or not: the area-capped tensor-core tiles the dK/dV pass took
 # before (32 x 64 and 16 x 64 on 4 warps) spilled 4.1-4.3 KB a thread, the dQ pass's 32-132 B (issue 35: the
 # d 256 backward took 11x the d 128 time for 2x the FLOPs); these spill nothing (dK/dV 32 x 32 on 8 warps:
-# 170-203 registers; dQ 64 x 32 on 8 warps: 214-216), the old tiles last, for the autotuner to weigh. Not yet
-# timed on the GPU. `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --d 256 --config 32x32x8x3,64x32x8x2`.
+# 170-203 registers; dQ 64 x 32 on 8 warps: 214-216), the old tiles last, for the autotuner to weigh. Timed on the
+# H200 (4a2f69e3b6db) they did not help: the 32 x 32 dK/dV tiles issue no wgmma, and fwd+bwd stayed 8x the d 128
+# time; by default d 256 now takes the split key passes below, and these serve the TMA variant (`dkdv-tma`).
+# `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --d 256 --config 32x32x8x3,64x32x8x2`.
 WIDE_HEAD_DIM = 256
 DKDV_WIDE_TILES = ((32, 32, 8, 3), (32, 32, 8, 2), (16, 32, 8, 2), (32, 64, 4, 3), (16, 64, 4, 2))
 DQ_WIDE_TILES = ((64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2), (64, 16, 8, 2), (64, 32, 4, 3), (64, 16, 4, 2))

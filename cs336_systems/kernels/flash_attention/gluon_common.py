@@ -91,6 +91,35 @@ def key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def key_value_rings(k_desc, v_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr):
+    """Shared memory of a program that owns one query tile and streams the key tiles: rings of STAGES slots for K
+    and V, a barrier for its Q tile, and a ready barrier per slot of each ring, initialised; with EMPTY_ARRIVALS > 0
+    also an empty barrier per slot (released by that many arrivals: the warp-specialised forward's consumers),
+    else the ready barriers stand in for them unused. Allocated right after the caller's Q buffer, in this order.
+    (k ring, v ring, q barrier, k ready, v ready, k empty, v empty)"""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if EMPTY_ARRIVALS > 0:
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    else:
+        k_empty, v_empty = k_ready, v_ready
+    mbarrier.init(q_bar, count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(slot), count=1)
+        mbarrier.init(v_ready.index(slot), count=1)
+        if EMPTY_ARRIVALS > 0:
+            mbarrier.init(k_empty.index(slot), count=EMPTY_ARRIVALS)
+            mbarrier.init(v_empty.index(slot), count=EMPTY_ARRIVALS)
+    return k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
 def key_tile_of_program(n_heads, BLOCK_N: gl.constexpr):
     """(first key row, batch x head, batch, head) of this program in a (key tiles, batch x heads) grid."""
     batch_head = gl.program_id(1)

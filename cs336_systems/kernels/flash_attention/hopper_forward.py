@@ -191,15 +191,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(k_bars.index(slot), count=1)
-        mbarrier.init(v_bars.index(slot), count=1)
+    k_smem, v_smem, q_bar, k_bars, v_bars, _, _ = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 0)
 
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -397,19 +389,8 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(slot), count=1)
-        mbarrier.init(v_ready.index(slot), count=1)
-        mbarrier.init(k_empty.index(slot), count=2)  # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(slot), count=2)
+    # Empty barriers released by one arrive per consumer warpgroup.
+    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 2)
 
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lse_row = L + batch_head.to(gl.int64) * n_queries

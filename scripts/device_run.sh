@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-session, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -346,6 +346,12 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
           --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton $fused \
           --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
       done
+      ;;
+    tests-split)
+      # The split dV and dK passes of d 256 (16-bit) on the GPU: the reference checks at wide heads, the launch
+      # plans that capture the two passes, the spill/wgmma checks. Then `attention-d256` times them.
+      CS336_AUTOTUNE=0 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider tests/test_kernels_flash_attention.py \
+        tests/test_kernels_flash_launch_plan.py -k "split or wide or 256 or precompile" 2>&1 | tail -15
       ;;
     attention-d256)
       # Issue 35's d 256 target: fwd+bwd at d 256 at most 2.5x the d 128 time at the same shape (wide-head tiles).

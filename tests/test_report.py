@@ -383,7 +383,7 @@ def test_a_rows_age_counts_code_commits_only(tmp_path):
 
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
     measured = commit("pkg/code.py", "a = 1\n")
-    for path in ("docs/report.md", "notes/setup.md", "results/model.jsonl", "README.md"):
+    for path in ("docs/report.md", "notes/setup.md", "results/model.jsonl", "README.md", "tests/test_x.py"):
         commit(path, "x\n")
     assert commits_behind(measured, tmp_path) == 0
     commit("pkg/code.py", "a = 2\n")

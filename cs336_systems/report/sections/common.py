@@ -53,21 +53,21 @@ class Results:
             return None
         return frame
 
-# What a commit may change without making any row older: the report, the notes, the README and the rows themselves.
-REPORT_ONLY_FOLDERS = ("docs", "notes", "results", "README.md")
+# What a commit may change without making any row older: the report, the notes, the tests, the README and the rows.
+UNMEASURED_PATHS = ("docs", "notes", "results", "tests", "README.md")
 
 
 @functools.cache
 def commits_behind(commit: str, repo: Path | None = None) -> int | None:
     """How many commits between `commit` and HEAD changed code, in the checkout holding `repo` (ours by default);
     None outside a git checkout or for a commit its history does not hold. A table's rows that old may no longer
-    describe the code. Commits of the report itself, the notes, the README or result rows do not count, so
+    describe the code. Commits of the report itself, the notes, tests, the README or result rows do not count, so
     committing a rebuilt report leaves it byte-identical to a rebuild at the new HEAD."""
     if not commit or commit in ("nan", "None", "unknown"):
         return None
     try:
         done = subprocess.run(["git", "rev-list", "--count", f"{commit}..HEAD", "--", ":/",
-                               *(f":(top,exclude){folder}" for folder in REPORT_ONLY_FOLDERS)],
+                               *(f":(top,exclude){folder}" for folder in UNMEASURED_PATHS)],
                               cwd=repo or Path(__file__).parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None

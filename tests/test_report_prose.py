@@ -63,6 +63,10 @@ def _prose_strings(tree: ast.AST):
         elif isinstance(node, ast.Return) and node.value is not None and isinstance(
                 node.value, (ast.Constant, ast.JoinedStr, ast.BinOp)):
             yield node.lineno, _literal_text(node.value)
+    for node in getattr(tree, "body", []):  # module-level prose constants (strings a paragraph formats in)
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Constant, ast.BinOp)) \
+                and isinstance(_literal_text(node.value), str) and " " in _literal_text(node.value):
+            yield node.lineno, _literal_text(node.value)
 
 
 def hand_typed_numerals() -> list[str]:
@@ -90,6 +94,8 @@ def test_the_scan_finds_a_typed_numeral(tmp_path, monkeypatch):
     module.write_text('def s(doc, x):\n    doc.add(Paragraph(f"ours takes 12.5 ms against {x:.1f} ms"))\n')
     monkeypatch.setattr(sys.modules[__name__], "SECTIONS", tmp_path)
     assert [f.split(": ", 1)[1].split(" in ")[0] for f in hand_typed_numerals()] == ["'12.5'"]
+    module.write_text('WHY = ("the first step pays 3 compiles")\ndef s(doc):\n    doc.add(Paragraph(f"x: {WHY}"))\n')
+    assert [f.split(": ", 1)[1].split(" in ")[0] for f in hand_typed_numerals()] == ["'3'"]
 
 
 def test_the_default_backward_sentence_matches_the_code():

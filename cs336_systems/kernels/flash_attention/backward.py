@@ -331,11 +331,15 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
 flash_dkdv_kernel = triton.autotune(
     configs=configs_from_families(DKDV_TILE_FAMILIES), key=_BACKWARD_KEY,
     prune_configs_by={"early_config_prune": _prune_backward("BLOCK_N", "BLOCK_M", DKDV_TILE_FAMILIES)})(_dkdv_kernel)
+def _prune_split(configs, named_args, **kwargs):
+    """The split passes' tiles as listed (each nests: BLOCK_N a multiple of BLOCK_M), or the first alone."""
+    return configs if autotune_enabled() else configs[:1]
+
+
 # The same kernel forming one of dK and dV (KEY_GRADS), for wide heads: its own tiles and tuning cache.
 flash_key_grad_kernel = triton.autotune(
     configs=configs_from_families({"wide-split": SPLIT_KEY_TILES}), key=_BACKWARD_KEY + ["KEY_GRADS"],
-    prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: (
-        configs if autotune_enabled() else configs[:1])})(_dkdv_kernel)
+    prune_configs_by={"early_config_prune": _prune_split})(_dkdv_kernel)
 # The same kernel with DQ_REDUCE set: its own tuning cache, and DQ_ACCUM zeroed again after tuning runs.
 flash_bwd_fused_kernel = triton.autotune(
     configs=configs_from_families(FUSED_TILE_FAMILIES), key=_BACKWARD_KEY, reset_to_zero=["DQ_ACCUM"],

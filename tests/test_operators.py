@@ -205,3 +205,16 @@ def test_a_step_of_our_model_replays_as_a_cuda_graph():
             torch.testing.assert_close(replayed_loss, eager_loss)
             for name, p in model.named_parameters():
                 torch.testing.assert_close(replayed[name], p.grad, msg=name)
+
+
+def test_host_integer_helpers_match_tritons():
+    """The launch code's cdiv and next_power_of_2 (plain integer maths, where Triton's are ~2 us ConstexprFunction
+    calls on the host) agree with Triton's over sizes a launch sees."""
+    triton = pytest.importorskip("triton")
+    from cs336_systems.kernels._triton_utils import cdiv, next_power_of_2
+
+    for n in [1, 2, 3, 15, 16, 17, 63, 64, 65, 80, 127, 128, 129, 255, 256, 1000, 4096, 131071, 131072, 131073]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for block in (1, 16, 64, 128):
+            assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
+    assert cdiv(0, 64) == 0

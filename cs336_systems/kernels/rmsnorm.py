@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
+from cs336_systems.kernels._triton_utils import check_operator_device, compiling, next_power_of_2, runs_kernel
 
 MAX_D = 16384
 DW_PROGRAMS = 256  # partial dW rows: enough programs to fill 132 SMs twice, small enough to reduce cheaply
@@ -89,9 +89,7 @@ def _kernels():
 
 
 def _block_d(d: int) -> int:
-    import triton
-
-    return triton.next_power_of_2(d)
+    return next_power_of_2(d)
 
 
 def _num_warps(block_d: int) -> int:

@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
+from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, compiling, next_power_of_2, runs_kernel
 
 TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
 
@@ -104,7 +104,6 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     if not runs_kernel(x):
         cos_sin = torch.stack((cache[0], sign * cache[1]))
         return out.copy_(rope_reference(x.to(torch.promote_types(x.dtype, cache.dtype)), pos, cos_sin))
-    import triton
 
     if x.stride(-1) != 1 or x.dim() > 4:
         x = x.contiguous()
@@ -112,9 +111,9 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     pos4 = _as_4d(pos[..., None])[..., 0]
     batch, heads, seq, dim = x4.shape
     if x4.numel():
-        block_d = max(2, triton.next_power_of_2(dim))
+        block_d = max(2, next_power_of_2(dim))
         block_s = max(1, TILE_ELEMENTS // block_d)
-        _kernel()[(triton.cdiv(seq, block_s), batch)](
+        _kernel()[(cdiv(seq, block_s), batch)](
             x4, pos4, cache, out4, heads, seq, dim, cache.shape[1], *x4.stride()[:3], *out4.stride()[:3],
             *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=heads == 1 or pos4.stride(1) == 0, BLOCK_S=block_s,
             BLOCK_D=block_d)

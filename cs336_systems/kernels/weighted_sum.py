@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cs336_systems.kernels._triton_utils import check_kernel_device
+from cs336_systems.kernels._triton_utils import cdiv, check_kernel_device
 
 
 def weighted_sum_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -107,14 +107,12 @@ class WeightedSumFunction(torch.autograd.Function):
             raise ValueError(f"weighted_sum: weight must be (D,) with D = x.shape[-1] = {x.shape[-1]}, "
                              f"got weight of shape {tuple(weight.shape)}")
         check_kernel_device("weighted_sum", x, weight)
-        import triton
-
         d = x.shape[-1]
         x2d = x.reshape(-1, d)  # (rows, D); a view when x is contiguous
         rows = x2d.shape[0]
         y = torch.empty(rows, device=x.device, dtype=x.dtype)
         forward_kernel, _ = _kernels()
-        forward_kernel[(triton.cdiv(rows, ROWS_TILE),)](
+        forward_kernel[(cdiv(rows, ROWS_TILE),)](
             x2d, weight, y, x2d.stride(0), x2d.stride(1), weight.stride(0), y.stride(0), rows, d,
             ROWS_TILE=ROWS_TILE, D_TILE=_d_tile(d))
         ctx.save_for_backward(x2d, weight)
@@ -123,13 +121,11 @@ class WeightedSumFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        import triton
-
         x2d, weight = ctx.saved_tensors
         rows, d = x2d.shape
         dy = grad_y.reshape(-1).contiguous()  # (rows,)
         dx = torch.empty_like(x2d)
-        n_tiles = triton.cdiv(rows, ROWS_TILE)
+        n_tiles = cdiv(rows, ROWS_TILE)
         partial = torch.empty(n_tiles, d, device=x2d.device, dtype=torch.float32)
         _, backward_kernel = _kernels()
         backward_kernel[(n_tiles,)](

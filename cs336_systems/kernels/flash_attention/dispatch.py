@@ -23,9 +23,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
-from cs336_systems.kernels._triton_utils import check_operator_device, interpreting, runs_kernel
+from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, interpreting, next_power_of_2, runs_kernel
 from cs336_systems.kernels.flash_attention import (
     gluon_common,
     hopper_backward,
@@ -112,9 +111,9 @@ def _as_4d(x: torch.Tensor) -> torch.Tensor:
 
 def _launch_shape(q: torch.Tensor, k: torch.Tensor):
     head_dim = q.shape[-1]
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     precision = dot_precision(q.dtype)
-    buckets = (triton.next_power_of_2(q.shape[-2]), triton.next_power_of_2(k.shape[-2]))
+    buckets = (next_power_of_2(q.shape[-2]), next_power_of_2(k.shape[-2]))
     return block_d, block_d == head_dim, precision, buckets
 
 
@@ -152,7 +151,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
         install_descriptor_allocator(q.device)
         flags["USE_TMA"] = True
     launch = KernelLaunch(flash_forward_kernel, args, flags,
-                          lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+                          lambda meta: (cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return launch, out, lse
 
 
@@ -274,7 +273,7 @@ def dq_accum_shape(q, accum: str) -> tuple[int, int]:
     kernels: whole 128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D)."""
     if accum == "gluon":
         return gluon_common.one_pass_rows(q.shape[-2]), q.shape[-1]
-    return q.shape[-2], max(16, triton.next_power_of_2(q.shape[-1]))
+    return q.shape[-2], max(16, next_power_of_2(q.shape[-1]))
 
 
 def _dq_buffer(q, accum: str | None) -> dict[str, torch.Tensor]:
@@ -319,7 +318,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         flash_preprocess_kernel,
         (o4, do4, delta, accum_args[0], o4.stride(), do4.stride(), accum_args[1], heads, n_queries, head_dim),
         dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
-        (triton.cdiv(n_queries, preprocess_rows), batch * heads))
+        (cdiv(n_queries, preprocess_rows), batch * heads))
     sm_scale = 1.0 / math.sqrt(head_dim)
     if (any("gluon" in name or "tma" in name for name in choice.kernels)
             or choice.kernels == ("fused",) and has_tma(q.device)):  # (it reduces dQ by descriptor there)
@@ -337,7 +336,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         flags["USE_TMA"] = True
 
     def key_grid(meta):
-        return (triton.cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
+        return (cdiv(n_keys, meta["BLOCK_N"]), batch * heads)
 
     if choice.accumulator == "tl":
         # dQ reduced by TMA descriptor reduce-add on Hopper and later, by pointer atomics elsewhere.
@@ -360,7 +359,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         dkdv = KernelLaunch(flash_dkdv_kernel, dkdv_args, flags | dict(DQ_REDUCE=0), key_grid)
     dq_pass = gluon_dq if choice.kernels[1] == "dq-gluon" else KernelLaunch(
         flash_dq_kernel, (*common, dq4, *strides, dq4.stride(), *sizes), flags,
-        lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+        lambda meta: (cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
     return (preprocess, dkdv, dq_pass), buffers
 
 

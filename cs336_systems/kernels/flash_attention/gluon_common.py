@@ -16,6 +16,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
+from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 
 
@@ -222,4 +223,4 @@ def check_dq_accum(dq_accum: torch.Tensor, q4: torch.Tensor) -> int:
 
 def one_pass_rows(n_queries: int) -> int:
     """Rows of the one-pass dQ accumulator per (batch, head): n_queries rounded up to whole 128-row tiles."""
-    return triton.cdiv(n_queries, 128) * 128
+    return cdiv(n_queries, 128) * 128

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels._triton_utils import interpreting
+from cs336_systems.kernels._triton_utils import cdiv, interpreting
 from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
@@ -443,10 +443,10 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
                      (*common, dk4, dv4, None, *strides, gluon_common.row_strides(dk4),
                       gluon_common.row_strides(dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
-                     DKDV_CONFIG[head_dim], lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
+                     DKDV_CONFIG[head_dim], lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
-                   lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads))
+                   lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
 
 
@@ -470,4 +470,4 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
                       gluon_common.row_strides(dv4), *sizes, dq_rows),
                      flags, FUSED_CONFIG[head_dim],
-                     lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
+                     lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))

@@ -24,7 +24,6 @@ strides, any lengths. The rest takes forward.py's kernel.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -35,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
@@ -262,7 +262,7 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
-    grid = lambda block_m, block_n: (triton.cdiv(n_queries, block_m), batch * heads)  # noqa: E731
+    grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
         return GluonPass(flash_forward_ws_kernel, args, flags, WS_FORWARD_CONFIG, grid)
     return GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),

@@ -24,7 +24,6 @@ query row (`hopper_backward.one_pass_eligible`), any lengths. It is `backward="f
 
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -36,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
@@ -239,4 +239,4 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
                       gluon_common.row_strides(dv4), *sizes, dq_rows),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
-                     lambda block_m, block_n: (triton.cdiv(n_keys, block_n), batch * heads))
+                     lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))

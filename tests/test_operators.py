@@ -218,3 +218,20 @@ def test_host_integer_helpers_match_tritons():
         for block in (1, 16, 64, 128):
             assert cdiv(n, block) == triton.cdiv(n, block), (n, block)
     assert cdiv(0, 64) == 0
+
+
+def test_operator_host_overhead_script_runs():
+    """scripts/operator_host_overhead.py (in its own process: it stubs the kernels' launches) prints a time per
+    operator, and refuses a non-positive count."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "operator_host_overhead.py"
+    done = subprocess.run([sys.executable, str(script), "--calls", "20", "--repeats", "1"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(float(line.split()[-1]) > 0 for line in lines[1:])
+    bad = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--calls" in bad.stderr

@@ -130,7 +130,6 @@ def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
     return _saved(plt, fig, path, dpi=110)
 
 
-
 def plot_memory_timeline(points: pd.DataFrame, path: Path, title: str) -> Path:
     """Active memory (GiB) against time (ms), each phase's span shaded: `points` holds ms, gib and phase columns
     (`profiling.memory_timeline.timeline_points`, or the rows the model suite stored from them)."""

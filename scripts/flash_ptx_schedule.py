@@ -70,7 +70,7 @@ def kernels(dtype: str) -> dict:
                     None),
         "dkdv": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 0}, None),
         "fused": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 1, "KEY_GRADS": 0}, None),  # the one pass
-        # The split key passes of wide heads (`backward.split_key_passes`): dV alone, then dK alone.
+        # The split key passes of wide heads (`backward.flash_key_grad_kernel`): dV alone, then dK alone.
         "dv-split": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 1}, None),
         "dk-split": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 2}, None),
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}

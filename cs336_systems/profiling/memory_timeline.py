@@ -10,6 +10,7 @@ allocations and the model code that made them.
 from __future__ import annotations
 
 import contextlib
+import math
 import pickle
 import time
 from collections.abc import Iterator
@@ -107,7 +108,7 @@ def timeline_points(snapshot: dict, phases: list[tuple[str, float, float]] = (),
     if not times:
         return []
     has_clock = "time_us" in snapshot["device_traces"][device][0]
-    per_point = max(1, -(-len(levels) // max_points))  # ceil
+    per_point = max(1, math.ceil(len(levels) / max_points))
     points = []
     for start in range(0, len(levels), per_point):
         top = max(range(start, min(start + per_point, len(levels))), key=levels.__getitem__)

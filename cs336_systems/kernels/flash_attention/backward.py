@@ -42,9 +42,8 @@ from cs336_systems.kernels.flash_attention import tiles
 from cs336_systems.kernels.flash_attention.forward import LOG2E
 from cs336_systems.kernels.flash_attention.reference import MASK_VALUE, causal_mask
 
-# Which key gradients a dK/dV pass forms (KEY_GRADS): both (the default), or one of them, for the split passes
-# of wide heads (`split_key_passes`).
-BOTH_KEY_GRADS = tl.constexpr(0)  # (the parameters' default, 0, is this)
+# Which key gradients a dK/dV pass forms (KEY_GRADS): both (0, the parameters' default), or one of them, for the
+# split passes of wide heads (`flash_key_grad_kernel`, dispatch's "dkdv-split").
 DV_ONLY = tl.constexpr(1)
 DK_ONLY = tl.constexpr(2)
 
@@ -216,7 +215,7 @@ DKDV_TILE_FAMILIES = {
     "tensor-core": ((64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 8, 3), (32, 64, 4, 3), (16, 64, 4, 2)),
     "ieee": DKDV_IEEE_FP32_TILES, "fp32-tensor-core": DKDV_FP32_TENSOR_CORE_TILES,
     "wide-tensor-core": DKDV_WIDE_TILES}
-# The split key passes at d 256 in 16 bits (`split_key_passes`): a dV pass and a dK pass, each holding one
+# The split key passes at d 256 in 16 bits (`flash_key_grad_kernel`): a dV pass and a dK pass, each holding one
 # (BLOCK_N, 256) fp32 accumulator where the fused dK/dV pass holds two, so 64-row tiles fit (the fused pass's
 # spill-free 32 x 32 tiles starve the tensor cores: fwd+bwd at d 256 took 8.0x the d 128 time at seq 131072,
 # results/attention.jsonl, 4a2f69e3b6db).

@@ -8,7 +8,7 @@ import pandas as pd
 from cs336_systems.kernels.flash_attention.backward import WIDE_HEAD_DIM
 from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
-from cs336_systems.report.sections.common import Results, environment, latest, shared_value
+from cs336_systems.report.sections.common import Results, environment, latest, shared_value, span
 
 # Issue 4's targets (fwd+bwd, bf16, causal): the cases, and the ratios against SDPA's backends ours must reach.
 TARGET_SEQ, TARGET_DIMS = 8192, (64, 128)
@@ -83,19 +83,11 @@ def compiled_attention(doc: Document, r: Results) -> None:
                                        "pass (the handout sweep under pytorch_attention). " + environment(ok)))
     speedups = table[[c for c in table.columns if c.endswith("speed-up")]]
     if not speedups.empty:
-        doc.add(Paragraph(f"(a) Compiled over eager: forward {_range(speedups.get('fwd speed-up'))}x, backward "
-                          f"{_range(speedups.get('bwd speed-up'))}x over the sweep. Inductor fuses the softmax's "
+        doc.add(Paragraph(f"(a) Compiled over eager: forward {span(speedups.get('fwd speed-up'))}x, backward "
+                          f"{span(speedups.get('bwd speed-up'))}x over the sweep. Inductor fuses the softmax's "
                           "max, subtraction, exponent, sum and division into one kernel over the scores (the "
                           "matmuls stay cuBLAS calls), so it saves memory traffic, not FLOPs: it matters where the "
                           "(seq, seq) elementwise work dominates."))
-
-
-def _range(values) -> str:
-    """'a-b' of a column of ratios, or '-' where it is absent."""
-    if values is None or values.dropna().empty:
-        return "-"
-    low, high = f"{values.min():.2f}", f"{values.max():.2f}"
-    return low if low == high else f"{low}-{high}"
 
 
 def flash_benchmarking(doc: Document, r: Results) -> None:

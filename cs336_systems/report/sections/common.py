@@ -95,6 +95,22 @@ def latest(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def col(frame: pd.DataFrame, name: str, default=None) -> pd.Series:
     return frame[name] if name in frame.columns else pd.Series(default, index=frame.index)
 
+def span(values: pd.Series | None, fmt: str = "{:.2f}", missing: str = "-") -> str:
+    """'a-b' over a column's values, 'a' when they all print alike, `missing` where there are none."""
+    if values is None or values.dropna().empty:
+        return missing
+    low, high = fmt.format(values.min()), fmt.format(values.max())
+    return low if low == high else f"{low}-{high}"
+
+
+def rows_of(frame: pd.DataFrame, **config) -> pd.DataFrame:
+    """The rows whose columns hold the given values (e.g. one configuration of one run)."""
+    mask = pd.Series(True, index=frame.index)
+    for key, value in config.items():
+        mask &= frame[key] == value
+    return frame[mask]
+
+
 def shared_value(values: pd.Series) -> str:
     """The value a table's rows share, as text ("1", not "1.0"); where they differ, all of them ("1, 4")."""
     unique = sorted(set(values.dropna()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
-from cs336_systems.report.sections.common import Results, col, environment, latest, shared_value
+from cs336_systems.report.sections.common import Results, col, environment, latest, rows_of, shared_value
 
 MODE_NAMES = {"default": "compiled", "reduce-overhead": "CUDA graphs"}  # compile_mode -> the table's words
 PRESET_ORDER = ("small", "medium", "large", "xl")
@@ -101,8 +101,7 @@ def stack_profile(doc: Document, r: Results) -> None:
     run = cats[cats["run_id"].isin(both)].sort_values("timestamp")["run_id"].iloc[-1]
     cats = cats[cats["run_id"] == run]
     for (preset, context, compiled), part in cats.groupby(["preset", "context", "compile"]):
-        phases = model[(model["metric"] == "phase_time") & (model["run_id"] == run) & (model["preset"] == preset)
-                       & (model["context"] == context) & (model["compile"] == compiled)]
+        phases = rows_of(model, metric="phase_time", run_id=run, preset=preset, context=context, compile=compiled)
         kernel = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
         kernel = kernel.groupby(["phase", "provider"])["median"].sum().unstack("provider")
         wall = latest(phases, ["provider", "phase"]).pivot_table(index="phase", columns="provider", values="median")

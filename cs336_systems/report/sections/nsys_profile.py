@@ -7,7 +7,7 @@ import pandas as pd
 
 from cs336_systems.config import ModelConfig
 from cs336_systems.report.document import Document, Heading, Paragraph, Table
-from cs336_systems.report.sections.common import Results, col, environment, shared_value
+from cs336_systems.report.sections.common import Results, col, environment, rows_of, shared_value, span
 
 # nsys_profile: the ranges a forward pass's kernels run in (the reference attention names its three parts), and
 # the FLOPs per attention score the softmax is counted at for (e): max, subtract, exp, sum, divide.
@@ -30,14 +30,6 @@ def _profiled_configs(model: pd.DataFrame) -> pd.DataFrame:
     return cats[cats["run_id"].isin(set(newest))]
 
 
-def _rows_of(frame: pd.DataFrame, config: dict) -> pd.DataFrame:
-    """The rows of one configuration of one run (a command profiles several configurations in one run)."""
-    mask = pd.Series(True, index=frame.index)
-    for key, value in config.items():
-        mask &= frame[key] == value
-    return frame[mask]
-
-
 def _profile_answers(model: pd.DataFrame, cats: pd.DataFrame) -> pd.DataFrame:
     """One row per profiled configuration: the figures questions (a)-(e) ask for."""
     kernels = model[(model["metric"] == "profile_kernel_time") & model["run_id"].isin(set(cats["run_id"]))]
@@ -46,8 +38,9 @@ def _profile_answers(model: pd.DataFrame, cats: pd.DataFrame) -> pd.DataFrame:
     for (preset, context, dtype, run), rows in cats.groupby(["preset", "context", "dtype", "run_id"]):
         forward = rows[(rows["mode"] == "forward") & rows["range"].isin(FORWARD_RANGES)]
         step = rows[rows["mode"] == "train-step"]
+        # One command profiles several configurations in one run: each row matched on its configuration too.
         config = dict(run_id=run, preset=preset, context=context, dtype=dtype)
-        timed, config_kernels = _rows_of(times, config), _rows_of(kernels, config)
+        timed, config_kernels = rows_of(times, **config), rows_of(kernels, **config)
         fwd_kernels = config_kernels[(config_kernels["mode"] == "forward")
                                      & config_kernels["range"].isin(FORWARD_RANGES)]
         step_kernels = config_kernels[(config_kernels["mode"] == "train-step")
@@ -80,12 +73,6 @@ def _profile_answers(model: pd.DataFrame, cats: pd.DataFrame) -> pd.DataFrame:
         })
     return pd.DataFrame(answers).sort_values(["preset", "context"], key=lambda s: s.map(
         {p: i for i, p in enumerate(["small", "medium", "large", "xl", "10B"])}) if s.name == "preset" else s)
-
-
-def _span(values: pd.Series, fmt: str) -> str:
-    """'a-b' over a column's values, or 'a' when they all print alike."""
-    low, high = fmt.format(values.min()), fmt.format(values.max())
-    return low if low == high else f"{low}-{high}"
 
 
 def _newest_kernel_table(doc: Document, model: pd.DataFrame) -> None:
@@ -147,8 +134,8 @@ def nsys_profile(doc: Document, r: Results) -> None:
         if gap.max() > 1.02:
             why += ("; above 1, the profiler's own cost per operation (synchronised ranges, recorded events) "
                     "outweighs the idle time between kernels")
-        doc.add(Paragraph(f"(a) The forward's kernels add up to {_span(gap, '{:.2f}')}x the forward time measured "
-                          f"with the Python timer, a forward pass taking {_span(answers['forward timed ms'], '{:.1f}')}"
+        doc.add(Paragraph(f"(a) The forward's kernels add up to {span(gap, '{:.2f}')}x the forward time measured "
+                          f"with the Python timer, a forward pass taking {span(answers['forward timed ms'], '{:.1f}')}"
                           f" ms: {why}."))
     same = answers["same top in fwd+bwd"].fillna(False).astype(bool)
     tops = ", ".join(f"`{str(k)[:70]}`" for k in answers["top forward kernel"].drop_duplicates())
@@ -165,15 +152,15 @@ def nsys_profile(doc: Document, r: Results) -> None:
     forward_share, step_share = answers["matmul share forward"], answers["matmul share step"]
     change = ("smaller" if (step_share < forward_share).all() else "larger" if (step_share > forward_share).all()
               else "smaller or larger by configuration")
-    doc.add(Paragraph(f"(d) Matrix multiplies take {_span(100 * forward_share, '{:.0f}')} % of the kernel time of a "
-                      f"forward pass and {_span(100 * step_share, '{:.0f}')} % of a training step with our AdamW, a "
+    doc.add(Paragraph(f"(d) Matrix multiplies take {span(100 * forward_share, '{:.0f}')} % of the kernel time of a "
+                      f"forward pass and {span(100 * step_share, '{:.0f}')} % of a training step with our AdamW, a "
                       f"{change} share: the step adds the loss, the backward's elementwise kernels (the softmax and "
                       "activation gradients) and the optimizer's per-parameter kernels around the products."))
     ratio = (answers["softmax ms"] / answers["attention matmul ms"]).replace([float("inf")], float("nan")).dropna()
     if len(ratio):
-        doc.add(Paragraph(f"(e) Inside the attention, the softmax takes {_span(ratio, '{:.2f}')}x the time of the "
+        doc.add(Paragraph(f"(e) Inside the attention, the softmax takes {span(ratio, '{:.2f}')}x the time of the "
                           "two matrix multiplies (scores and the weighted sum), although they do "
-                          f"{_span(answers['matmul / softmax FLOPs'], '{:.0f}')}x its FLOPs (4 d_head FLOPs per "
+                          f"{span(answers['matmul / softmax FLOPs'], '{:.0f}')}x its FLOPs (4 d_head FLOPs per "
                           f"score against {SOFTMAX_FLOPS_PER_SCORE}): the softmax reads and writes the (seq, seq) "
                           "scores at memory bandwidth while the products run at matmul throughput."))
     r.missing.append(("nsys_profile", "an Nsight Systems report (nsys is not on the lent machine)"))

@@ -102,9 +102,8 @@ def _warmup_study(doc: Document, study: pd.DataFrame, warmed: pd.DataFrame) -> N
     ours = study[(study["provider"] == "ours") & study["warmup"].isin(WARMUP_STUDY)]
     if ours.empty:
         return
-    studied = set(zip(ours["preset"], ours["mode"]))
-    warmed = warmed[(warmed["provider"] == "ours")
-                    & pd.Series([pair in studied for pair in zip(warmed["preset"], warmed["mode"])], warmed.index)]
+    studied = pd.MultiIndex.from_frame(ours[["preset", "mode"]])
+    warmed = warmed[(warmed["provider"] == "ours") & pd.MultiIndex.from_frame(warmed[["preset", "mode"]]).isin(studied)]
     runs = latest(pd.concat([ours, warmed]), ["preset", "mode", "warmup"])
     runs = runs.assign(cell=[f"{m:.1f} ± {sd:.1f}" for m, sd in zip(runs["mean"], runs["std"])],
                        warmup=runs["warmup"].astype(int))

@@ -3,7 +3,7 @@
 #   bash scripts/device_run.sh STAGE [STAGE ...]
 # Stages: env, tests, tests-session, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
-# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
+# model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
 # on machines of several GPUs: multi-collectives, multi-parallel, leaderboard-2gpu.
 # Result rows and PNGs go to a scratch folder that is packed into $OUT/results.tgz at the end (the
@@ -358,6 +358,12 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
       python3 -m cs336_systems.bench attention --sweep custom --batch 1 --heads 1 --seq 16384,65536,131072 \
         --d 128,256 --dtype bf16 --provider triton,sdpa-flash --pass fwd,bwd,fwd-bwd --rep-ms 200 --no-progress \
         --results-dir "$R" 2>&1 | tail -20
+      ;;
+    host-profile)
+      # Issue 32: where the host time of a small step goes (cProfile over timed steps), ours against the baseline
+      # and ours without one piece at a time, eager and compiled per block; one text file per configuration.
+      python3 scripts/step_host_profile.py --preset small --context 512 --compile off,on --steps 20 \
+        --out "$R/host_profile" 2>&1 | tail -14
       ;;
     model-sizes-profile)
       # Where ours loses when compiled: one profile each of ours eager and compiled (block) at small/512.

@@ -1,0 +1,123 @@
+"""Where the host time of one training step goes, ours against the baseline, on the model suite's harness.
+
+At small sizes a step is host-bound (notes/model_sizes.md): the GPU waits for Python. This builds the model
+suite's configurations (the same `_Harness` the `model` suite times), warms each up, then runs the timed steps
+under cProfile and prints, per configuration, the wall time per step and the functions with the most own time
+(tottime) and the most time below them (cumtime) over the profiled steps. A variant list takes our pieces away one at a
+time, so the cost of each (fused kernels, fused AdamW) shows as a difference of step times.
+
+    python scripts/step_host_profile.py --preset small --context 512 --compile off,on --out DIR
+    python scripts/step_host_profile.py --variants ours,baseline --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cs336_systems.bench.suites.model import ModelCase, _Harness
+from cs336_systems.config import ModelConfig, preset_names
+
+# name -> (provider, attention, fused, optimizer): ours, then ours without one piece at a time, then our model
+# with none of them (the staff attention maths), beside the baseline.
+VARIANTS = {
+    "baseline": ("baseline", "sdpa", False, "torch-fused"),
+    "ours": ("ours", "triton", True, "fused"),
+    "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
+    "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
+    "plain": ("ours", "reference", False, "cs336"),
+}
+
+
+def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", choices=preset_names(), help="model preset (default small)")
+    parser.add_argument("--context", type=int, default=512, help="context length (default 512)")
+    parser.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
+    parser.add_argument("--compile", default="off,on",
+                        help="comma-separated: off, on (each block compiled), reduce-overhead (default off,on)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from: {', '.join(VARIANTS)} (default all)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps, and profiled steps (default 20)")
+    parser.add_argument("--top", type=int, default=30, help="functions listed per table (default 30)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script itself")
+    parser.add_argument("--out", type=Path, default=None, help="folder for one text file per configuration")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    for name in variants:
+        if name not in VARIANTS:
+            parser.error(f"--variants: unknown {name!r}; choose from {', '.join(VARIANTS)}")
+    compiles = args.compile.split(",")
+    for choice in compiles:
+        if choice not in ("off", "on", "reduce-overhead"):
+            parser.error(f"--compile: unknown {choice!r}; choose from off, on, reduce-overhead")
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU here (this measures host time between CUDA kernels)")
+    cfg = ModelConfig.from_name(args.preset, context_length=args.context)
+    print(f"{args.preset}/{args.context}, batch {args.batch}, bf16 autocast, train step; "
+          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    print(f"{'variant':<24} {'compile':<16} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
+    for compile_choice in compiles:
+        for name in variants:
+            provider, attention, fused, optimizer = VARIANTS[name]
+            compiled = compile_choice != "off"
+            case = ModelCase(args.preset, args.context, args.batch, "bf16", compiled, provider, attention,
+                             fused=fused, optimizer=optimizer, compile_scope="block" if compiled else "-",
+                             compile_mode=("default" if compile_choice == "on" else compile_choice)
+                             if compiled else "-")
+            try:
+                harness = _Harness(case, cfg, device)
+                with harness.attention_context():
+                    step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
+                    _steps_ms(step, 5, device)  # warm-up (and compilation)
+                    times = _steps_ms(step, args.steps, device)
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    _steps_ms(step, args.steps, device)
+                    profiler.disable()
+            except Exception as error:  # a failing variant is reported and the rest still run
+                print(f"{name:<24} {compile_choice:<16} failed: {type(error).__name__}: {error}")
+                continue
+            print(f"{name:<24} {compile_choice:<16} {statistics.median(times):>10.2f} {min(times):>8.2f} "
+                  f"{max(times):>8.2f}")
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            text.write(f"# {name}, compile {compile_choice}: {args.steps} profiled steps; times are per "
+                       f"{args.steps} steps\n")
+            stats.sort_stats("tottime").print_stats(args.top)
+            stats.sort_stats("cumulative").print_stats(args.top)
+            if args.out:
+                (args.out / f"host_{name}_{compile_choice}.txt").write_text(text.getvalue())
+            del harness, step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -98,12 +98,20 @@ def kernels(dtype: str) -> dict:
                      | {"L": "*fp32", "Delta": "*fp32"}, {"QDO_REGS": 0}, hopper_backward.DQ_CONFIG[128]),
     }
 
+# Tuple-of-tuples stride arguments of the Gluon backward kernels: name -> how many tensors' strides.
+NESTED_STRIDES = {"input_strides": 4, "key_grad_strides": 2}
+
 
 def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:
     constexprs = dict(constexprs)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
-        if name.endswith("_strides"):
+        if name in NESTED_STRIDES:
+            # Several tensors' row strides, one tuple of (batch, head, row) tuples (the Gluon backward's
+            # `input_strides`, `key_grad_strides`), each element specialised as the JIT does: divisible by 16.
+            signature[name] = (("i32",) * 3,) * NESTED_STRIDES[name]
+            attrs |= {(i, t, j): [["tt.divisibility", 16]] for t in range(NESTED_STRIDES[name]) for j in range(3)}
+        elif name.endswith("_strides"):
             # A tensor's strides, one tuple argument, specialised element by element as the JIT does: (batch,
             # head, row) strides divisible by 16, and in the tl kernels a unit stride along d, a constant.
             count = 3 if gluon else 4

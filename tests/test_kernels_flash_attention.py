@@ -444,17 +444,18 @@ def test_precompile_lists_what_the_autotuner_would_try():
     assert [wide[name].flags["KEY_GRADS"] for name in ("dv", "dk")] == [1, 2] and _candidates(wide["dk"])
 
 
-def _run_ptx_script(*args: str):
-    """scripts/flash_ptx_schedule.py in its own process (it drops TRITON_INTERPRET), on this checkout's package
-    whether installed or not (the GPU image runs the tree from PYTHONPATH)."""
+def _run_ptx_script(*args: str, script: str = "flash_ptx_schedule.py"):
+    """A PTX script of scripts/ in its own process (without TRITON_INTERPRET: it compiles for sm_90), on this
+    checkout's package whether installed or not (the GPU image runs the tree from PYTHONPATH)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
-    return subprocess.run([sys.executable, str(root / "scripts" / "flash_ptx_schedule.py"), *args],
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))
+    return subprocess.run([sys.executable, str(root / "scripts" / script), *args],
                           capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -467,6 +468,22 @@ def test_ptx_schedule_script_compiles_for_hopper_with_pipelined_loads():
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("dq") and int(re.search(r"cp\.async (\d+)", line).group(1)) > 0
     assert re.search(r"W\d+\|\d", line) and re.search(r"e\d+", line), line  # products, waits, exponentials
+
+
+def test_gluon_backward_launches_bind_and_compile_for_hopper(tmp_path):
+    """Our Gluon backward passes' launch arguments, as `backward_passes` / `fused_pass` / `one_pass` build them
+    (nested stride tuples included), bind to their kernels through Triton's own JIT binder and compile for sm_90
+    on any machine (scripts/gluon_jit_ptx.py); each PTX issues wgmma, and the one-pass kernels reduce dQ with
+    atomics or bulk reductions."""
+    pytest.importorskip("triton")
+    done = _run_ptx_script("--out", str(tmp_path), "--shape", "1,2,200,128", script="gluon_jit_ptx.py")
+    assert done.returncode == 0, done.stderr[-2000:]
+    ptx = {path.stem: path.read_text() for path in tmp_path.glob("*.ptx")}
+    assert set(ptx) == {"dkdv", "dq", "fused", "one-pass-ws"}
+    for name, text in ptx.items():
+        assert "wgmma.mma_async" in text, name
+    for name in ("fused", "one-pass-ws"):
+        assert re.search(r"red\.|atom\.|cp\.reduce\.async\.bulk", ptx[name]), name
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])

@@ -63,13 +63,14 @@ def head_row_tiles(ptr, b, h, strides, n_rows, BLOCK_ROWS: gl.constexpr, HEAD_DI
 
 
 @gluon.jit
-def backward_input_tiles(Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys,
+def backward_input_tiles(Q, K, V, dO, b, h, input_strides, n_queries, n_keys,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """The backward's input descriptors of batch b, head h: (Q, dO) in BLOCK_M-row tiles, (K, V) in BLOCK_N."""
-    q_desc = head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
-    do_desc = head_row_tiles(dO, b, h, do_strides, n_queries, BLOCK_M, HEAD_DIM)
-    k_desc = head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
-    v_desc = head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
+    """The backward's input descriptors of batch b, head h: (Q, dO) in BLOCK_M-row tiles, (K, V) in BLOCK_N.
+    `input_strides`: the row strides of Q, K, V and dO, one tuple argument (`input_args`)."""
+    q_desc = head_row_tiles(Q, b, h, input_strides[0], n_queries, BLOCK_M, HEAD_DIM)
+    do_desc = head_row_tiles(dO, b, h, input_strides[3], n_queries, BLOCK_M, HEAD_DIM)
+    k_desc = head_row_tiles(K, b, h, input_strides[1], n_keys, BLOCK_N, HEAD_DIM)
+    v_desc = head_row_tiles(V, b, h, input_strides[2], n_keys, BLOCK_N, HEAD_DIM)
     return q_desc, do_desc, k_desc, v_desc
 
 
@@ -140,9 +141,12 @@ def ring_step(bars, a_ring, b_ring, tile, first_tile, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def score_products(a, b_tile, c, d_tile, zeros):
-    """Issue S = a b_tile^T and dP = c d_tile^T (or their transposes, with the roles swapped); both stay in
-    flight, so the caller's exponentials can overlap the second."""
+def score_products(a, b_tile, c, d_tile, layout: gl.constexpr):
+    """Issue S = a b_tile^T and dP = c d_tile^T (or their transposes, with the roles swapped), fp32 in `layout`;
+    both stay in flight, so the caller's exponentials can overlap the second."""
+    ROWS: gl.constexpr = a.shape[0]
+    COLUMNS: gl.constexpr = b_tile.shape[0]
+    zeros = gl.zeros([ROWS, COLUMNS], gl.float32, layout)
     s = warpgroup_mma(a, b_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
     dp = warpgroup_mma(c, d_tile.permute((1, 0)), zeros, use_acc=False, is_async=True)
     return s, dp
@@ -204,10 +208,16 @@ def row_strides(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def input_args(q4, k4, v4, do4, sm_scale: float) -> tuple[tuple, tuple]:
-    """(row strides of Q, K, V, dO; sizes and scales) in the kernels' argument order."""
-    strides = (row_strides(q4), row_strides(k4), row_strides(v4), row_strides(do4))
+    """(the row strides of Q, K, V, dO: the kernels' `input_strides` argument; sizes and scales, in the kernels'
+    argument order)."""
+    input_strides = (row_strides(q4), row_strides(k4), row_strides(v4), row_strides(do4))
     sizes = (q4.shape[1], q4.shape[2], k4.shape[2], sm_scale * LOG2E.value, sm_scale)
-    return strides, sizes
+    return input_strides, sizes
+
+
+def key_grad_strides(dk4, dv4) -> tuple[tuple, tuple]:
+    """The row strides of dK and dV: the key-gradient kernels' `key_grad_strides` argument."""
+    return row_strides(dk4), row_strides(dv4)
 
 
 def check_dq_accum(dq_accum: torch.Tensor, q4: torch.Tensor) -> int:

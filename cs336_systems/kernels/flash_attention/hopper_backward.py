@@ -134,12 +134,10 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
     each query tile's share of dQ, dS K, into fp32 rows (dq_target: see `_dk_and_dq_share`; the one-pass
     backward)."""
     dtype: gl.constexpr = q_desc.dtype
-    BLOCK_N: gl.constexpr = k_smem.shape[0]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     for tile in range(start_tile, end_tile):
         step, slot, q_tile, do_tile = gluon_common.ring_step(bars, q_smem, do_smem, tile, first_tile, STAGES)
-        sT, dpT = gluon_common.score_products(k_smem, q_tile, v_smem, do_tile,
-                                              gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout))
+        sT, dpT = gluon_common.score_products(k_smem, q_tile, v_smem, do_tile, s_layout)
         async_copy.wait_group(STAGES - 2)  # this thread's copies of this tile's L and D have landed
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         if DQ_SPLIT > 0 and DQ_TMA:
@@ -222,8 +220,7 @@ def _dk_and_dq_share(dk, dsT, ds_smem, q_tile, k_tile, dq_target, tile, first_bu
 
 
 @gluon.jit
-def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
-                            q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strides, key_grad_strides,
                             n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
@@ -237,7 +234,7 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
                                                                                           v_desc, STAGES)
@@ -316,8 +313,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    dk_desc = gluon_common.head_row_tiles(dK, b, h, dk_strides, n_keys, BLOCK_N, HEAD_DIM)
-    dv_desc = gluon_common.head_row_tiles(dV, b, h, dv_strides, n_keys, BLOCK_N, HEAD_DIM)
+    dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, BLOCK_N, HEAD_DIM)
+    dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, BLOCK_N, HEAD_DIM)
     gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
 
 
@@ -331,8 +328,7 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
     dtype: gl.constexpr = k_desc.dtype
     for tile in range(start_tile, end_tile):
         step, slot, k_tile, v_tile = gluon_common.ring_step(bars, k_smem, v_smem, tile, first_tile, STAGES)
-        s, dp = gluon_common.score_products(q_op, k_tile, do_op, v_tile,
-                                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout))
+        s, dp = gluon_common.score_products(q_op, k_tile, do_op, v_tile, s_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
         _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
@@ -353,8 +349,7 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
 
 
 @gluon.jit
-def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
-                          q_strides, k_strides, v_strides, do_strides, dq_strides,
+def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
                           n_heads, n_queries, n_keys, qk_scale, sm_scale,
                           IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QDO_REGS: gl.constexpr = 0):
@@ -368,7 +363,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ,
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -436,15 +431,14 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)"""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
+    input_strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     common = (q4, k4, v4, do4, lse, delta)
     dkdv = GluonPass(flash_dkdv_gluon_kernel,
-                     (*common, dk4, dv4, None, *strides, gluon_common.row_strides(dk4),
-                      gluon_common.row_strides(dv4), *sizes, 0),
+                     (*common, dk4, dv4, None, input_strides, gluon_common.key_grad_strides(dk4, dv4), *sizes, 0),
                      flags | dict(KV_REGS=DKDV_KV_REGS[head_dim]),
                      DKDV_CONFIG[head_dim], lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))
-    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, *strides, gluon_common.row_strides(dq4), *sizes),
+    dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, input_strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads))
     return dkdv, dq
@@ -464,10 +458,10 @@ def fused_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool,
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     dq_rows = gluon_common.check_dq_accum(dq_accum, q4)
-    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
+    input_strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim, KV_REGS=0, DQ_SPLIT=FUSED_DQ_SPLIT[head_dim], DQ_TMA=1)
     return GluonPass(flash_dkdv_gluon_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
-                      gluon_common.row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, input_strides,
+                      gluon_common.key_grad_strides(dk4, dv4), *sizes, dq_rows),
                      flags, FUSED_CONFIG[head_dim],
                      lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))

@@ -83,8 +83,7 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
     dtype: gl.constexpr = q_smem.dtype
     for tile in range(start_tile, end_tile):
         step, slot, q_tile, do_tile = gluon_common.ring_step(ready, q_smem, do_smem, tile, first_tile, STAGES)
-        sT, dpT = gluon_common.score_products(k_half, q_tile, v_half, do_tile,
-                                              gl.zeros([KEYS_PER_CONSUMER, BLOCK_M], gl.float32, s_layout))
+        sT, dpT = gluon_common.score_products(k_half, q_tile, v_half, do_tile, s_layout)
         sT = warpgroup_mma_wait(num_outstanding=1, deps=(sT,))
         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * gluon_common.LOG2E
         pT = gluon_common.probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
@@ -166,8 +165,7 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
 
 
 @gluon.jit
-def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
-                                 q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strides, key_grad_strides,
                                  n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                                  IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr = 1,
@@ -182,11 +180,9 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, q_strides, k_strides, v_strides, do_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
-    dk_desc = gluon_common.head_row_tiles(dK, b, h, dk_strides, n_keys, KEYS_PER_CONSUMER,
-                                     HEAD_DIM)
-    dv_desc = gluon_common.head_row_tiles(dV, b, h, dv_strides, n_keys, KEYS_PER_CONSUMER,
-                                     HEAD_DIM)
+        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, KEYS_PER_CONSUMER, HEAD_DIM)
+    dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, KEYS_PER_CONSUMER, HEAD_DIM)
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
@@ -234,9 +230,9 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
         raise ValueError(f"head dim: got {head_dim}; the warp-specialised one-pass backward takes {HEAD_DIMS}")
     n_keys = k4.shape[2]
     dq_rows = gluon_common.check_dq_accum(dq_accum, q4)
-    strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
+    input_strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
     return GluonPass(flash_bwd_one_pass_ws_kernel,
-                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, *strides, gluon_common.row_strides(dk4),
-                      gluon_common.row_strides(dv4), *sizes, dq_rows),
+                     (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, input_strides,
+                      gluon_common.key_grad_strides(dk4, dv4), *sizes, dq_rows),
                      dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
                      lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))

@@ -13,7 +13,7 @@ it to bf16 would put errors of several percent into the recomputed P.
 (`BackwardOptions`, from the user's `backward=`) into its kernels (`BackwardChoice`) in one place, and
 `backward_launches` builds them. `flash_forward` / `flash_backward` run them, and replay a launch plan
 (`launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The launch records and the
-device facts they need are in launches.py. The autograd Function and
+device facts they need are in launches.py, the tensors the launches write in buffers.py. The autograd Function and
 the public `flash_attention` are in function.py; the C++ replay of the same plans in native_launch.py.
 """
 
@@ -26,7 +26,6 @@ import torch
 
 from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, interpreting, next_power_of_2, runs_kernel
 from cs336_systems.kernels.flash_attention import (
-    gluon_common,
     hopper_backward,
     hopper_forward,
     hopper_one_pass,
@@ -42,6 +41,7 @@ from cs336_systems.kernels.flash_attention.backward import (
     flash_key_grad_kernel,
     flash_preprocess_kernel,
 )
+from cs336_systems.kernels.flash_attention.buffers import backward_buffers, backward_result, dq_buffer, forward_buffers
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
 from cs336_systems.kernels.flash_attention.launches import (
     FixedLaunch,
@@ -134,7 +134,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
-    out, lse = _forward_buffers(q)
+    out, lse = forward_buffers(q)
     o4 = _as_4d(out)
     if (use_tma and gluon is not False and (gluon or head_dim in hopper_forward.GLUON_HEAD_DIMS)
             and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
@@ -177,13 +177,6 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse
 
 
-def _forward_buffers(q) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and L as the forward writes them."""
-    # O in q's layout: for the model's head view of (batch, seq, heads, d), merging the heads back afterwards is
-    # a view, not a copy.
-    return torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
-
-
 def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
     return "forward", bool(is_causal), dot_precision(q.dtype), launch_plan.tensor_signature(q, k, v)
 
@@ -200,7 +193,7 @@ class _ForwardPlan:
     launch: launch_plan.CapturedLaunch
 
     def __call__(self, q, k, v):
-        out, lse = _forward_buffers(q)
+        out, lse = forward_buffers(q)
         install_descriptor_allocator(q.device)
         self.launch(dict(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr()))
         return out, lse
@@ -226,7 +219,7 @@ class BackwardChoice:
 
 def choose_backward(q, k, v, grad_out, options: BackwardOptions) -> BackwardChoice:
     """The one place the backward's kernels are chosen: from the options, the device, dtype, head dim and the
-    strides of the inputs and of the gradients `_backward_buffers` / `_dq_buffer` will make for them."""
+    strides of the inputs and of the gradients `buffers.backward_buffers` / `buffers.dq_buffer` will make for them."""
     q4, k4, v4, do4 = (_as_4d(t) for t in (q, k, v, grad_out))
     head_dim = q4.shape[-1]
     dk4, dv4, dq4 = (_as_4d(torch.empty_like(t, device="meta")) for t in (k, v, q))  # their strides, no memory
@@ -259,47 +252,7 @@ def backward_launches(q, k, v, out, lse, grad_out, is_causal: bool, **options):
     chooses them for `BackwardOptions(**options)`; finish() returns (dq, dk, dv)."""
     choice = choose_backward(q, k, v, grad_out, BackwardOptions(**options))
     launches, buffers = _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice)
-    return (*launches, lambda: _backward_result(q, buffers, choice.accumulator))
-
-
-def _backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
-    """D and the backward's dK, dV, named as launch plans know them."""
-    # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
-    return dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
-
-
-def dq_accum_shape(q, accum: str) -> tuple[int, int]:
-    """(rows, columns) per (batch, head) of the one-pass fp32 dQ accumulator: "gluon" (the Gluon one-pass
-    kernels: whole 128-row tiles of head_dim) or "tl" (backward.py's one-pass kernel: n_queries rows of BLOCK_D)."""
-    if accum == "gluon":
-        return gluon_common.one_pass_rows(q.shape[-2]), q.shape[-1]
-    return q.shape[-2], max(16, next_power_of_2(q.shape[-1]))
-
-
-def _dq_buffer(q, accum: str | None) -> dict[str, torch.Tensor]:
-    """Where dQ goes: dq (accum None: two passes write it) or the one-pass accumulator (`dq_accum_shape`),
-    which the preprocess launch zeroes."""
-    if accum is None:
-        return dict(dq=torch.empty_like(q))
-    rows, cols = dq_accum_shape(q, accum)
-    return dict(dq_accum=torch.empty(math.prod(q.shape[:-2]), rows, cols, device=q.device, dtype=torch.float32))
-
-
-def _backward_result(q, buffers: dict[str, torch.Tensor], accum: str | None):
-    """(dq, dk, dv) once the launches have run: dq is cast from the one-pass accumulator where there is one
-    (the `tl` kernel adds dS K unscaled; the Gluon ones add it scaled)."""
-    if accum is None:
-        dq = buffers["dq"]
-    else:
-        rows = buffers["dq_accum"][:, :q.shape[-2], :q.shape[-1]]
-        if accum == "tl":
-            rows = rows.mul_(1.0 / math.sqrt(q.shape[-1]))
-        dq = torch.empty_like(q)  # in q's layout, as the other gradients
-        dq.copy_(rows.view(q.shape))  # (batch*heads, ..) -> q's dims
-    if buffers["dk"].shape[-2] == 1:  # one key: P = 1 whatever Q and K, so their gradients are exactly zero
-        dq.zero_()
-        buffers["dk"].zero_()
-    return dq, buffers["dk"], buffers["dv"]
+    return (*launches, lambda: backward_result(q, buffers, choice.accumulator))
 
 
 def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardChoice):
@@ -309,7 +262,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
-    buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, choice.accumulator)
+    buffers = backward_buffers(k, v, lse) | dq_buffer(q, choice.accumulator)
     delta, dk4, dv4 = buffers["delta"], _as_4d(buffers["dk"]), _as_4d(buffers["dv"])
     dq_accum = buffers.get("dq_accum")
     preprocess_rows = 64
@@ -380,12 +333,12 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: Backwa
     if not planned:
         for launch in launches:
             launch()
-        return _backward_result(q, buffers, choice.accumulator)
+        return backward_result(q, buffers, choice.accumulator)
     tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
     captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
     if all(c is not None for c in captured):
         launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator))
-    return _backward_result(q, buffers, choice.accumulator)
+    return backward_result(q, buffers, choice.accumulator)
 
 
 @dataclass
@@ -394,17 +347,17 @@ class _BackwardPlan:
     then dQ cast from the accumulator where there is one."""
 
     launches: tuple[launch_plan.CapturedLaunch, ...]
-    accum: str | None  # `_dq_buffer`'s accumulator kind
+    accum: str | None  # `buffers.dq_buffer`'s accumulator kind
 
     def __call__(self, q, k, v, out, lse, grad_out):
-        buffers = _backward_buffers(k, v, lse) | _dq_buffer(q, self.accum)
+        buffers = backward_buffers(k, v, lse) | dq_buffer(q, self.accum)
         addresses = {name: t.data_ptr() for name, t in buffers.items()}
         addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
                          grad_out=grad_out.data_ptr())
         install_descriptor_allocator(q.device)
         for launch in self.launches:
             launch(addresses)
-        return _backward_result(q, buffers, self.accum)
+        return backward_result(q, buffers, self.accum)
 
 
 def chosen_configs() -> dict[str, dict]:

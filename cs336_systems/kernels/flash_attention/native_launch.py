@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.kernels import native_build
-from cs336_systems.kernels.flash_attention import dispatch, launch_plan
+from cs336_systems.kernels.flash_attention import buffers, dispatch, launch_plan
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
 SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")
@@ -171,7 +171,7 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     if module is None or module.plan_count() >= MAX_NATIVE_PLANS:
         return False
     if k.shape[-2] == 1:
-        return False  # one key: the Python path zeroes dQ and dK exactly (`dispatch._backward_result`)
+        return False  # one key: the Python path zeroes dQ and dK exactly (`buffers.backward_result`)
     options = dispatch.BACKWARD_OPTIONS[backward]
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -189,8 +189,8 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     if any(spec is None for spec in (*specs[0], *specs[1])):
         return False
     accum = backward_plan.accum
-    rows, cols = dispatch.dq_accum_shape(q, accum) if accum is not None else (0, 0)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `dispatch._backward_result` applies it
+    rows, cols = buffers.dq_accum_shape(q, accum) if accum is not None else (0, 0)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `buffers.backward_result` applies it
     module.register_plan(q, k, v, bool(is_causal), BACKWARD_CODES[backward], specs[0], specs[1],
                          ACCUM_CODES[accum], scale, rows, cols)
     return True

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from cs336_systems.memory.policy import CheckpointPolicy
-from cs336_systems.results import ResultStore
+from cs336_systems.results import ResultStore, format_table
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,6 +108,14 @@ def results_folder(text: str) -> str:
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"--results-dir: {text!r} is a file; give a folder (made if missing)")
     return text
+
+
+def print_tables(store: ResultStore, args, *tables) -> None:
+    """Each (title or None, table) as --latex asks (LaTeX or Markdown), then where the run's rows went."""
+    for position, (title, table) in enumerate(tables):
+        print(("\n" if position else "") + (f"{title}\n" if title else ""), end="")
+        print(format_table(table, "latex" if args.latex else "markdown"))
+    print(f"\nrows appended to {store.path}")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:

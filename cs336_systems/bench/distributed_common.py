@@ -14,11 +14,11 @@ from timeit import default_timer
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.common import add_common_arguments, error_message, positive_int
+from cs336_systems.bench.common import add_common_arguments, error_message, positive_int, print_tables
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.parallel import comm
 from cs336_systems.recipe import Recipe, build_model
-from cs336_systems.results import ResultStore, format_table, metric_labels, rows_to_frame
+from cs336_systems.results import ResultStore, metric_labels, rows_to_frame
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, default_world_size: int = 2) -> None:
@@ -151,8 +151,7 @@ def print_report(store, args, index, metrics=("step_time", "exposed_comm_time"))
     cells[index] = cells[index].astype(object).where(cells[index].notna(), "-")  # pivots drop NaN keys
     table = cells.pivot_table(index=index, columns="metric", values="cell", aggfunc="last")
     table = table.rename(columns=metric_labels(frame)).reset_index()  # headed with their units
-    print(format_table(table, "latex" if args.latex else "markdown"))
-    print(f"\nrows appended to {store.path}")
+    print_tables(store, args, (None, table))
 
 
 def failure_row(store, provider, config, error):

@@ -35,7 +35,7 @@ from cs336_systems.attention import TRITON_BACKWARDS
 from cs336_systems.bench import common
 from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel, kernel_time_ms, time_fn
-from cs336_systems.results import ResultStore, format_table
+from cs336_systems.results import ResultStore
 
 OURS = ("triton", "triton-native", "triton-python", "triton-tf32x3", "triton-two-pass-bwd", "triton-tl-bwd",
         "triton-fused-bwd", "triton-compile-bwd", "pytorch-flash", "naive", "naive-compiled")
@@ -314,19 +314,16 @@ def _print_table(store: ResultStore, args) -> None:
     frame = store.frame()
     if frame.empty:
         return
-    fmt = "latex" if args.latex else "markdown"
     times = frame[frame["metric"] == "time"].copy()
     times["cell"] = [f"{m:.3f}" if s == "ok" else s for m, s in zip(times["median"], times["status"])]
     keys = ["batch", "heads", "seq", "d", "dtype", "causal", "pass"]
     table = times.pivot_table(index=keys, columns="provider", values="cell", aggfunc="last")
     table = table.rename(columns=lambda provider: f"{provider} ms").reset_index()
-    print("median time per call (ms)")
-    print(format_table(table, fmt))
+    tables = [("median time per call (ms)", table)]
     for ours in [p for p in OURS if p.startswith("triton") and p != "triton-compile-bwd"]:
         ratio = speedups(frame, ours)
         if not ratio.empty and any("speed-up" in c for c in ratio.columns):
             cols = keys + [c for c in ratio.columns if "speed-up" in c]
-            print(f"\nspeed-up of {ours} (baseline time / ours)")
-            print(format_table(ratio[cols].round(3), fmt))
-    print(f"\nrows appended to {store.path}")
+            tables.append((f"speed-up of {ours} (baseline time / ours)", ratio[cols].round(3)))
+    common.print_tables(store, args, *tables)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.common import add_common_arguments, error_message, list_of, positive_int
+from cs336_systems.bench.common import add_common_arguments, error_message, list_of, positive_int, print_tables
 from cs336_systems.bench.distributed_common import (
     add_launch_arguments,
     gather_samples,
@@ -26,7 +26,7 @@ from cs336_systems.bench.distributed_common import (
     timed,
 )
 from cs336_systems.parallel import comm
-from cs336_systems.results import ResultStore, format_table, metric_labels, rows_to_frame
+from cs336_systems.results import ResultStore, metric_labels, rows_to_frame
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter")
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
@@ -103,8 +103,7 @@ def _rank_main(args) -> None:
         ok = frame[frame["status"] == "ok"]
         table = ok.pivot_table(index=["op", "size_mb", "world_size", "backend"], columns="metric",
                                values="median", aggfunc="last").rename(columns=metric_labels(ok)).reset_index().round(3)
-        print(format_table(table, "latex" if args.latex else "markdown"))
-        print(f"\nrows appended to {store.path}")
+        print_tables(store, args, (None, table))
         if args.plot:
             from pathlib import Path
 

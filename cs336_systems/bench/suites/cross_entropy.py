@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import chunked_cross_entropy
 from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
-from cs336_systems.results import ResultStore, format_table
+from cs336_systems.results import ResultStore
 
 PROVIDERS = ("fused", "fused-lean", "plain", "chunked", "liger")
 # The leaderboard's loss: one 32k sequence, Qwen-sized vocab, d_model 4096 (CUDA default); a CPU-sized one.
@@ -190,6 +190,4 @@ def _print_table(store: ResultStore, args) -> None:
     frame = store.frame()
     if frame.empty:
         return
-    print("median ms per loss + gradients")
-    print(format_table(summary_table(frame), "latex" if args.latex else "markdown"))
-    print(f"\nrows appended to {store.path}")
+    common.print_tables(store, args, ("median ms per loss + gradients", summary_table(frame)))

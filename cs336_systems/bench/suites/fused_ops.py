@@ -29,7 +29,7 @@ from cs336_systems.bench import common
 from cs336_systems.bench.suites.cross_entropy import check_liger, liger_by_default
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.swiglu import silu_mul
-from cs336_systems.results import ResultStore, format_table
+from cs336_systems.results import ResultStore
 
 OPS = ("rmsnorm", "swiglu")
 PROVIDERS = {"rmsnorm": ("ours", "torch", "liger"), "swiglu": ("ours", "ours-out-of-place", "torch", "liger")}
@@ -166,6 +166,5 @@ def _print_table(store: ResultStore, args) -> None:
     frame = store.frame()
     if frame.empty:
         return
-    print("median ms per op + backward; GiB above the inputs at the peak (CUDA)")
-    print(format_table(summary_table(frame), "latex" if args.latex else "markdown"))
-    print(f"\nrows appended to {store.path}")
+    common.print_tables(store, args, ("median ms per op + backward; GiB above the inputs at the peak (CUDA)",
+                                      summary_table(frame)))

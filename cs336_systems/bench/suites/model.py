@@ -406,5 +406,4 @@ def _print_table(store: ResultStore, args) -> None:
     if not spread.empty:
         spread = spread.rename(columns={"mean": "time mean ms", "std": "time std ms"}).round(3)
         table = table.merge(spread, on=index, how="left")
-    print(format_table(table, "latex" if args.latex else "markdown"))
-    print(f"\nrows appended to {store.path}")
+    common.print_tables(store, args, (None, table))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from cs336_systems.bench.common import DTYPES, add_common_arguments
-from cs336_systems.results import ResultStore, format_table, rows_to_frame
+from cs336_systems.bench.common import DTYPES, add_common_arguments, print_tables
+from cs336_systems.results import ResultStore, rows_to_frame
 
 
 class ToyModel(nn.Module):
@@ -82,12 +82,8 @@ def run(args) -> int:
         store.add(provider="torch", config={"exercise": "autocast", "autocast": dtype_name, "tensor": tensor},
                   metric="dtype", unit="", value=None, message=dtype)
     frame = rows_to_frame(store.rows)
-    fmt = "latex" if args.latex else "markdown"
     loops = frame[frame["exercise"] == "accumulation"][["loop", "median"]].rename(columns={"median": "sum (exact 10)"})
-    print(format_table(loops, fmt))
     casts = frame[frame["exercise"] == "autocast"][["tensor", "message"]].rename(
         columns={"message": f"dtype under {dtype_name} autocast"})
-    print()
-    print(format_table(casts, fmt))
-    print(f"\nrows appended to {store.path}")
+    print_tables(store, args, (None, loops), (None, casts))
     return 0

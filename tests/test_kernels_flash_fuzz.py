@@ -3,8 +3,9 @@ seeded random shapes (odd lengths, n_queries != n_keys both ways, one query row,
 16-128, causal and not), fp32 on the CPU (Triton under its interpreter) and fp32 / bf16 / fp16 on the GPU.
 
 Every output and gradient must be within 2x PyTorch's own error at the same precision against fp64, plus the
-floor the other tests use (`assert_within_budget`); in fp32, within FP32_FACTOR x (see there). Rows whose
-gradient is exactly zero in PyTorch and in fp64 (a row that sees one key) must be exactly zero in ours too.
+floor the other tests use (`assert_within_budget`); in fp32, the Triton kernels within TRITON_FP32_FACTOR x (see
+there). Rows whose gradient is exactly zero in PyTorch and in fp64 (a row that sees one key) must be exactly zero in
+ours too.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def fuzz_cases(n: int = N_CASES, seed: int = 0) -> list[tuple[tuple, bool]]:
 
 CASES = fuzz_cases()
 
-# fp32: FA2 recomputes P from the saved L and takes D = rowsum(O dO), where PyTorch's softmax backward takes
-# D = rowsum(P dP) from the same dP; on rows with few keys the two round apart by more than 2x PyTorch's own fp32
-# error (measured: in the PyTorch class, D = rowsum(P dP) brings every such case within 2x; an fp64 L alone does
-# not). Over 2x: 9 of 400 CPU cases here (up to 5.2x; one an output), 13 of 400 on the H200 (up to 4.4x), and other
-# cases on the H200 machine's CPU: a list of exceptions is not portable, so fp32 gets 6x. bf16 and fp16 keep 2x.
-FP32_FACTOR = 6.0
+# fp32, the Triton kernels: FA2 recomputes P from the saved L (its exponent rounds with |L|) and takes D = rowsum(O dO),
+# where PyTorch's softmax backward takes D = rowsum(P dP) from the same dP; on rows with few keys both round apart by
+# more than 2x PyTorch's own fp32 error. Over 2x: 5 of 200 CPU cases here (up to 5.25x), 13 of 400 on the H200 (up to
+# 4.4x), and other cases on the H200 machine's CPU: a list of exceptions is not portable, so they get 6x. Forming D
+# as rowsum(P dP) in a sweep of its own (tried, 2026-12-05) fixed the dQ cases but left dK, dV and one output over
+# 2x (dV up to 5.2x: P's rounding through L, not D). The PyTorch class forms D that way in fp32
+# (`reference.delta_from_products`) and keeps 2x, as bf16 and fp16 do for both.
+TRITON_FP32_FACTOR = 6.0
 
 
-def _check(fn, case_index: int, dtype: torch.dtype, device: str) -> None:
+def _check(fn, case_index: int, dtype: torch.dtype, device: str, fp32_factor: float = 2.0) -> None:
     (batch, heads, n_queries, n_keys, d), causal = CASES[case_index]
     torch.manual_seed(case_index)
     lead = (batch,) if heads is None else (batch, heads)
@@ -56,7 +59,7 @@ def _check(fn, case_index: int, dtype: torch.dtype, device: str) -> None:
     exact = naive_attention(*exact_in, causal)
     low_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     low = naive_attention(*low_in, causal, upcast=False)  # PyTorch's own error at this precision
-    factor = FP32_FACTOR if dtype == torch.float32 else 2.0
+    factor = fp32_factor if dtype == torch.float32 else 2.0
     assert out.dtype == dtype and out.shape == exact.shape
     assert_within_budget("out", out, exact, low, factor)
     ours = torch.autograd.grad(out, (q, k, v), grad_out)
@@ -86,7 +89,7 @@ def test_triton_flash_fuzz_interpreter(dtype_name, case_index):
         pytest.skip("the GPU runs test_triton_flash_fuzz_gpu")
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    _check(flash_attention, case_index, DTYPES[dtype_name], "cpu")
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cpu", TRITON_FP32_FACTOR)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -100,4 +103,4 @@ def test_pytorch_flash_fuzz_gpu(dtype_name, case_index):
 def test_triton_flash_fuzz_gpu(dtype_name, case_index):
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    _check(flash_attention, case_index, DTYPES[dtype_name], "cuda")
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cuda", TRITON_FP32_FACTOR)

@@ -104,8 +104,36 @@ def flash_forward_tiled(q, k, v, is_causal: bool, q_tile: int, k_tile: int):
     return out, lse
 
 
+def _tile_probabilities(q, k, lse, is_causal: bool, q0: int, q1: int, k0: int, k1: int, acc_dtype):
+    """P of queries [q0, q1) against keys [k0, k1), recomputed from the saved L."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q[..., q0:q1, :].to(acc_dtype) @ k[..., k0:k1, :].to(acc_dtype).transpose(-1, -2) * scale
+    if is_causal:
+        s = s + torch.where(causal_mask(q1 - q0, k1 - k0, q.device, q0, k0), 0.0, MASK_VALUE)
+    return torch.exp(s - lse[..., q0:q1, None].to(acc_dtype))
+
+
+def delta_from_products(q, k, v, lse, grad_out, is_causal: bool, q_tile: int, k_tile: int) -> torch.Tensor:
+    """D = rowsum(P * dP), tile by tile, (..., n_queries) in fp32 (`flash_backward_tiled`'s fp32 D)."""
+    acc_dtype = _accumulator_dtype(q)
+    delta = torch.zeros(q.shape[:-1], device=q.device, dtype=acc_dtype)
+    for q0, q1 in _tiles(q.shape[-2], q_tile):
+        do_blk = grad_out[..., q0:q1, :].to(acc_dtype)
+        for k0, k1 in _tiles(k.shape[-2], k_tile):
+            if is_causal and q1 - 1 < k0:
+                break  # no query in this tile sees these keys or later ones
+            p = _tile_probabilities(q, k, lse, is_causal, q0, q1, k0, k1, acc_dtype)
+            delta[..., q0:q1] += (p * (do_blk @ v[..., k0:k1, :].to(acc_dtype).transpose(-1, -2))).sum(-1)
+    return delta
+
+
 def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: int, k_tile: int):
-    """Backward by recomputation, tile by tile, with D = rowsum(O * dO). Returns (dq, dk, dv).
+    """Backward by recomputation, tile by tile. Returns (dq, dk, dv).
+
+    D = rowsum(O * dO) in 16 bits, as the handout's algorithm; in fp32, D = rowsum(P * dP) from one more sweep over
+    the tiles (`delta_from_products`): the same value in exact arithmetic, but it rounds with the dP it is
+    subtracted from, as PyTorch's softmax backward does, where O's rounding put dS at up to 5x PyTorch's fp32
+    error on rows with few keys (tests/test_kernels_flash_fuzz.py).
 
     A row that sees one key (every row when there is one key; the first row under a causal mask) has P = 1 there,
     so its dS = P (dP - D) is zero; D from O and dO rounds differently from dP, though, which would leave
@@ -115,7 +143,10 @@ def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: i
     scale = 1.0 / math.sqrt(q.shape[-1])
     n_queries, n_keys = q.shape[-2], k.shape[-2]
     acc_dtype = _accumulator_dtype(q)
-    delta = (out.to(acc_dtype) * grad_out.to(acc_dtype)).sum(-1)  # (..., n_queries)
+    if q.dtype == torch.float32:
+        delta = delta_from_products(q, k, v, lse, grad_out, is_causal, q_tile, k_tile)
+    else:
+        delta = (out.to(acc_dtype) * grad_out.to(acc_dtype)).sum(-1)  # (..., n_queries)
     dq = torch.zeros_like(q, dtype=acc_dtype)
     dk = torch.zeros_like(k, dtype=acc_dtype)
     dv = torch.zeros_like(v, dtype=acc_dtype)
@@ -126,10 +157,7 @@ def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: i
             if is_causal and q1 - 1 < k0:
                 continue  # no query in this tile sees these keys
             q_blk, do_blk = q[..., q0:q1, :].to(acc_dtype), grad_out[..., q0:q1, :].to(acc_dtype)
-            s = q_blk @ k_blk.transpose(-1, -2) * scale
-            if is_causal:
-                s = s + torch.where(causal_mask(q1 - q0, k1 - k0, q.device, q0, k0), 0.0, MASK_VALUE)
-            p = torch.exp(s - lse[..., q0:q1, None])  # (..., bq, bk)
+            p = _tile_probabilities(q, k, lse, is_causal, q0, q1, k0, k1, acc_dtype)  # (..., bq, bk)
             dv[..., k0:k1, :] += p.transpose(-1, -2) @ do_blk
             dp = do_blk @ v_blk.transpose(-1, -2)
             ds = p * (dp - delta[..., q0:q1, None]) * scale

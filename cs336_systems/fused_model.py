@@ -2,7 +2,10 @@
 
 `apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
 of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate; with `rope=True` also every
-`RotaryEmbedding` to the fused RoPE (the leaderboard's default with its fused kernels). Every `Linear` runs
+`RotaryEmbedding` to the fused RoPE (the leaderboard's default with its fused kernels), and every attention
+module then takes its token positions from one cached `arange` per length and device: the model made a new one
+in every layer and step, and RoPE's on-device range check (four small kernels) ran for each, where one cached
+tensor is checked once (`kernels.rope._check_positions`). Every `Linear` runs
 as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in the
 weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight
 gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). Parameters, names and the
@@ -17,12 +20,14 @@ by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
 
 from __future__ import annotations
 
+import functools
 import types
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cs336_basics.model import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.swiglu import silu_mul
@@ -46,6 +51,18 @@ def _fused_rope_forward(self, x, pos_ids):
     return fused_rope(x, pos_ids, self._freq_cis_cache)
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_positions(length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(length, device=device)
+
+
+def _attention_with_cached_positions(self, x, token_positions=None):
+    # (under torch.compile the arange is made in the graph, as the model makes it, and checked there)
+    if token_positions is None and not torch.compiler.is_compiling():
+        token_positions = _cached_positions(x.shape[-2], x.device)
+    return CausalMultiHeadSelfAttention.forward(self, x, token_positions)
+
+
 def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
     `model`, and the layout-keeping product on every Linear; returns `model`."""
@@ -54,6 +71,8 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
         if rope and isinstance(module, RotaryEmbedding):
             module.forward = types.MethodType(_fused_rope_forward, module)
             continue
+        if rope and isinstance(module, CausalMultiHeadSelfAttention) and module.positional_encoder is not None:
+            module.forward = types.MethodType(_attention_with_cached_positions, module)
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(_fused_rmsnorm_forward, module)
             patched += 1

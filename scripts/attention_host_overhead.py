@@ -2,7 +2,7 @@
 
 At seq 128 the GPU work of an attention call is a few microseconds, so do_bench measures how fast the host
 issues it. This prints, for our Triton FlashAttention (with and without launch plans,
-`kernels/flash_attention/launch_plan.py`, and replayed from C++, `native_launch.py`) and SDPA's flash and cuDNN
+`kernels/launch_plan.py`, and replayed from C++, `native_launch.py`) and SDPA's flash and cuDNN
 backends, the wall time per call of
 forward (no grad), forward (grad enabled, graph built) and forward+backward, each averaged over many calls
 with one synchronisation at the end, and the GPU's kernel time per forward+backward (torch.profiler); then
@@ -119,7 +119,7 @@ def main() -> None:
         raise SystemExit("attention_host_overhead: needs a CUDA device")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cs336_systems.kernels.flash_attention import launch_plan
+    from cs336_systems.kernels import launch_plan
 
     q, k, v = (torch.randn(1, 1, args.seq, args.d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

@@ -1,4 +1,4 @@
-"""Launch plans (kernels/flash_attention/launch_plan.py): repeat attention calls replay the compiled kernels.
+"""Launch plans (kernels/launch_plan.py): repeat attention calls replay the compiled kernels.
 
 On CPU: the pieces (argument binding, slot naming, the signature, the bounded cache) with stand-ins for a
 compiled kernel. On the GPU: a replayed call gives exactly what the normal launch path gives, for every
@@ -13,7 +13,7 @@ import torch.utils._python_dispatch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.flash_attention import launch_plan
+from cs336_systems.kernels import launch_plan
 from tests._support import requires_cuda
 
 
@@ -77,6 +77,56 @@ def test_plan_cache_is_bounded_and_drops_the_oldest(monkeypatch):
         launch_plan.store(("key", i), i)
     assert launch_plan.plan_count() == 3
     assert launch_plan.lookup(("key", 0)) is None and launch_plan.lookup(("key", 4)) == 4
+
+
+class _FakeJitKernel:
+    """Stands in for a plain `triton.jit` kernel: `kernel[grid](...)` and `kernel.run(...)` record a normal launch
+    and hand back a `_FakeCompiled`; `.fn` is the Python function whose parameters `bound_values` reads."""
+
+    def __init__(self):
+        self.fn = _scale_kernel.fn
+        self.normal_launches = []
+        self.compiled = _FakeCompiled()
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.normal_launches.append((grid, args, kwargs))
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.normal_launches.append((grid, args, kwargs))
+        return self.compiled
+
+
+def test_a_single_kernel_launch_is_replayed_per_signature_with_new_addresses(monkeypatch):
+    """`launch_plan.launch` (RMSNorm, SwiGLU, RoPE, cross-entropy): the first launch of a signature takes the normal
+    path and is kept; a repeat replays it with the new tensors' addresses by position, aliases included; another
+    shape, scalar or keyword makes its own plan; off the planning device it is the normal launch every time."""
+    monkeypatch.setattr(launch_plan, "_plans", type(launch_plan._plans)())
+    monkeypatch.setattr(launch_plan, "_plans_device", lambda tensor: True)
+    kernel = _FakeJitKernel()
+    src, dst = torch.zeros(8), torch.zeros(8)
+    launch_plan.launch(kernel, (2,), src, dst, 8, 0.5, BLOCK=4)
+    assert len(kernel.normal_launches) == 1 and kernel.compiled.calls == []
+    src2, dst2 = torch.zeros(8), torch.zeros(8)
+    launch_plan.launch(kernel, (2,), src2, dst2, 8, 0.5, BLOCK=4)
+    launch_plan.launch(kernel, (2,), src2, src2, 8, 0.5, BLOCK=4)  # in place: one tensor in two slots
+    assert len(kernel.normal_launches) == 1
+    assert kernel.compiled.calls == [((2, 1, 1), (src2.data_ptr(), dst2.data_ptr(), 8, 0.5, 4, False)),
+                                     ((2, 1, 1), (src2.data_ptr(), src2.data_ptr(), 8, 0.5, 4, False))]
+    launch_plan.launch(kernel, (2,), src, dst, 8, 0.25, BLOCK=4)  # another scalar
+    launch_plan.launch(kernel, (2,), src, dst, 8, 0.5, BLOCK=8)  # another constexpr
+    launch_plan.launch(kernel, (2,), torch.zeros(4, 2), dst, 8, 0.5, BLOCK=4)  # another shape
+    launch_plan.launch(kernel, (2,), src.double(), dst, 8, 0.5, BLOCK=4)  # another dtype
+    assert len(kernel.normal_launches) == 5 and len(kernel.compiled.calls) == 2
+    monkeypatch.setattr(launch_plan, "_plans_device", lambda tensor: False)
+    launch_plan.launch(kernel, (2,), src, dst, 8, 0.5, BLOCK=4)
+    assert len(kernel.normal_launches) == 6 and len(kernel.compiled.calls) == 2
+    monkeypatch.setattr(launch_plan, "_plans_device", lambda tensor: True)
+    launch_plan.use_plans(False)
+    try:
+        launch_plan.launch(kernel, (2,), src, dst, 8, 0.5, BLOCK=4)
+    finally:
+        launch_plan.use_plans(True)
+    assert len(kernel.normal_launches) == 7 and len(kernel.compiled.calls) == 2
 
 
 # ---- GPU: a replay is the normal path's result exactly ----
@@ -519,3 +569,49 @@ def test_unknown_launcher_is_rejected():
     x = torch.zeros(1, 4, 16)
     with pytest.raises(ValueError, match="launcher must be one of python, native"):
         flash_attention(x, x, x, launcher="cuda-graph")
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_small_kernels_replayed_equal_their_normal_launches(dtype):
+    """RMSNorm, the SwiGLU gate (in place too), RoPE and the fused cross-entropy launch through
+    `launch_plan.launch`: the third call of a signature (replayed) gives bit for bit what the normal path gives,
+    at two shapes each (the second's plans made after the first's)."""
+    from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
+    from cs336_systems.kernels.rmsnorm import rmsnorm
+    from cs336_systems.kernels.rope import rope
+    from cs336_systems.kernels.swiglu import silu_mul
+
+    def run_all(tokens: int, width: int):
+        torch.manual_seed(tokens)
+        x = torch.randn(2, tokens, width, device="cuda", dtype=dtype, requires_grad=True)
+        w = torch.randn(width, device="cuda", dtype=dtype, requires_grad=True)
+        a, b = (torch.randn(2, tokens, 3 * width, device="cuda", dtype=dtype) for _ in range(2))
+        heads = torch.randn(2, 4, tokens, 32, device="cuda", dtype=dtype, requires_grad=True)
+        angles = torch.arange(tokens, device="cuda")[:, None] / 10 ** torch.arange(16, device="cuda")
+        cache = torch.stack((angles.cos(), angles.sin())).float()
+        pos = torch.arange(tokens, device="cuda")
+        head_w = torch.randn(1000, width, device="cuda", dtype=dtype, requires_grad=True)
+        targets = torch.randint(0, 1000, (2, tokens), device="cuda")
+        outs = [rmsnorm(x, w), rope(heads, pos, cache)]
+        for in_place in (False, True):
+            a_, b_ = a.clone().requires_grad_(), b.clone().requires_grad_()
+            gate = silu_mul(a_ * 1, b_ * 1, backward_in_place=in_place)  # (non-leaf inputs, as in the model)
+            gate.backward(torch.ones_like(gate))
+            outs += [gate, a_.grad, b_.grad]
+        loss = lm_head_cross_entropy(x, head_w, targets)
+        (outs[0].sum() + outs[1].sum() + loss).backward()
+        return [t.detach().clone() for t in (*outs, loss, x.grad, w.grad, heads.grad, head_w.grad)]
+
+    launch_plan.use_plans(False)
+    try:
+        normal = [run_all(tokens, width) for tokens, width in ((64, 256), (37, 96))]
+    finally:
+        launch_plan.use_plans(True)
+    launch_plan.clear_plans()
+    for _ in range(3):
+        replayed = [run_all(tokens, width) for tokens, width in ((64, 256), (37, 96))]
+    assert launch_plan.plan_count() > 0
+    for want_set, got_set in zip(normal, replayed):
+        for want, got in zip(want_set, got_set):
+            assert torch.equal(want, got)

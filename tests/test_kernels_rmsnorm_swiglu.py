@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cs336_basics.model import RMSNorm
+from cs336_systems.attention import use_attention
 from cs336_systems.config import ModelConfig
 from cs336_systems.fused_model import apply_fused_kernels
 from cs336_systems.kernels.rmsnorm import rmsnorm, rmsnorm_reference
@@ -116,6 +117,37 @@ def test_fused_model_computes_the_same_function(rope):
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert set(fused.state_dict()) == set(plain.state_dict())
+
+
+def test_fused_model_checks_its_positions_once_and_makes_no_arange_per_layer(monkeypatch):
+    """With the fused RoPE every layer takes its positions from one cached arange: RoPE's on-device range check
+    runs once over two steps of a 3-layer model (the model made a new arange, and so a new check, in each layer),
+    and the forward makes no arange; a new length gets its own. Outputs are those of the unfused model."""
+    import cs336_systems.kernels.rope as rope_module
+    from cs336_systems.fused_model import _cached_positions
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=3, context_length=24)
+    torch.manual_seed(0)
+    plain = cfg.build(device=device)
+    torch.manual_seed(0)
+    fused = apply_fused_kernels(cfg.build(device=device), rope=True)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    _cached_positions.cache_clear()
+    monkeypatch.setattr(rope_module, "_last_checked", None)
+    checks, aranges = [], []
+    real_assert, real_arange = torch._assert_async, torch.arange
+    monkeypatch.setattr(torch, "_assert_async", lambda *a: checks.append(1) or real_assert(*a))
+    with use_attention("triton"):  # (an attention that builds no mask: the model path the suites run)
+        fused(tokens)  # (the first call makes the cached positions)
+        monkeypatch.setattr(torch, "arange", lambda *a, **k: aranges.append(a) or real_arange(*a, **k))
+        for _ in range(2):
+            fused(tokens).square().mean().backward()
+        assert len(checks) == 1 and aranges == []
+        fused(tokens[:, :10])
+        assert len(checks) == 2 and aranges == [(10,)]
+        monkeypatch.setattr(torch, "arange", real_arange)
+        torch.testing.assert_close(fused(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_fused_model_copies_no_weight_gradient():
@@ -257,3 +289,13 @@ def test_rope_checks_each_positions_tensor_once(monkeypatch):
     assert len(checks) == 4
     with pytest.raises(RuntimeError, match=r"positions must be in \[0, 16\)"):
         rope_module.rope(x, positions + 20, cache)
+    # Views of one tensor (each layer of a fused model views one cached arange): told by base and geometry.
+    base = torch.arange(8)
+    checks.clear()
+    rope_module.rope(x, base[:5].unsqueeze(0), cache)
+    rope_module.rope(x, base[:5].unsqueeze(0), cache)  # a new view object, the same positions
+    assert len(checks) == 1
+    rope_module.rope(x, base[1:6].unsqueeze(0), cache)  # another offset
+    base.mul_(1)  # in place through the base: a new version for every view of it
+    rope_module.rope(x, base[1:6].unsqueeze(0), cache)
+    assert len(checks) == 3

@@ -37,6 +37,7 @@ import functools
 
 import torch
 
+from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import compiling, interpreting
 
 REDUCTIONS = ("mean", "sum")
@@ -118,8 +119,8 @@ def _softmax_xent_grad_(logits: torch.Tensor, targets: torch.Tensor, ignore_inde
     """Per-token losses (fp32); `logits` (tokens, vocab), unit stride along vocab, becomes its gradient."""
     losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
     if logits.shape[0]:
-        _kernel()[(logits.shape[0],)](logits, targets, losses, logits.shape[1], logits.stride(0), ignore_index,
-                                      scale, BLOCK_V=BLOCK_V, num_warps=8)
+        launch_plan.launch(_kernel(), (logits.shape[0],), logits, targets, losses, logits.shape[1], logits.stride(0),
+                           ignore_index, scale, BLOCK_V=BLOCK_V, num_warps=8)
     return losses
 
 

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import check_operator_device, compiling, next_power_of_2, runs_kernel
 
 MAX_D = 16384
@@ -107,8 +108,8 @@ def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
     rstd = torch.empty(x2d.shape[0], device=x2d.device, dtype=torch.float32)
     block_d = _block_d(x2d.shape[1])
     if x2d.shape[0]:
-        forward_kernel[(x2d.shape[0],)](x2d, weight, y, rstd, x2d.shape[1], eps, BLOCK_D=block_d,
-                                        num_warps=_num_warps(block_d))
+        launch_plan.launch(forward_kernel, (x2d.shape[0],), x2d, weight, y, rstd, x2d.shape[1], eps,
+                           BLOCK_D=block_d, num_warps=_num_warps(block_d))
     return y, rstd
 
 
@@ -128,8 +129,8 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
     dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
     block_d = _block_d(d)
     if rows:
-        backward_kernel[(programs,)](x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d, BLOCK_D=block_d,
-                                     num_warps=_num_warps(block_d))
+        launch_plan.launch(backward_kernel, (programs,), x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d,
+                           BLOCK_D=block_d, num_warps=_num_warps(block_d))
     else:
         dw_partial.zero_()
     return dx, dw_partial.sum(0).to(weight.dtype)

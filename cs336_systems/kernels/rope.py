@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, compiling, next_power_of_2, runs_kernel
 
 TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
@@ -113,7 +114,8 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     if x4.numel():
         block_d = max(2, next_power_of_2(dim))
         block_s = max(1, TILE_ELEMENTS // block_d)
-        _kernel()[(cdiv(seq, block_s), batch)](
+        launch_plan.launch(
+            _kernel(), (cdiv(seq, block_s), batch),
             x4, pos4, cache, out4, heads, seq, dim, cache.shape[1], *x4.stride()[:3], *out4.stride()[:3],
             *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=heads == 1 or pos4.stride(1) == 0, BLOCK_S=block_s,
             BLOCK_D=block_d)
@@ -160,21 +162,26 @@ class RoPEFunction(torch.autograd.Function):
         return _rotate(grad_out, pos, cache, -1.0), None, None
 
 
-_last_checked: tuple | None = None  # (a weak reference to positions, their version, the context they fit)
+_last_checked: tuple | None = None  # (a weak reference to the positions' base tensor, the view's geometry and
+# version, the context they fit)
 
 
 def _check_positions(pos_ids: torch.Tensor, context: int) -> None:
     """Positions outside [0, context) are an error, checked on the device (no host sync that would stall eager
     launch pipelining; the kernel would read past the cache). Four small kernels a check, so eagerly once per
-    positions tensor and version: the model rotates Q and K by the same one."""
+    positions and version: the model rotates Q and K by the same ones, and with `apply_fused_kernels` every layer
+    and step by views of one cached tensor (a view is told by its base tensor and its geometry)."""
     global _last_checked
-    eager = not compiling()
-    if eager and _last_checked is not None and _last_checked[0]() is pos_ids \
-            and _last_checked[1:] == (pos_ids._version, context):
+    message = f"rope: positions must be in [0, {context})"
+    if compiling():  # (in the graph: once per traced call)
+        torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), message)
         return
-    torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), f"rope: positions must be in [0, {context})")
-    if eager:
-        _last_checked = (weakref.ref(pos_ids), pos_ids._version, context)
+    base = pos_ids if pos_ids._base is None else pos_ids._base
+    seen = (pos_ids.shape, pos_ids.stride(), pos_ids.storage_offset(), pos_ids._version, context)
+    if _last_checked is not None and _last_checked[0]() is base and _last_checked[1] == seen:
+        return
+    torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), message)
+    _last_checked = (weakref.ref(base), seen)
 
 
 def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
 
 BLOCK = 1024
@@ -68,7 +69,7 @@ def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     forward_kernel, _ = _kernels()
     y = torch.empty_like(a)
     if a.numel():
-        forward_kernel[_grid(a.numel())](a, b, y, a.numel(), BLOCK=BLOCK)
+        launch_plan.launch(forward_kernel, _grid(a.numel()), a, b, y, a.numel(), BLOCK=BLOCK)
     return y
 
 
@@ -91,7 +92,7 @@ def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: 
             torch.autograd.graph.increment_version(t)
     da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
     if a.numel():
-        backward_kernel[_grid(a.numel())](a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
+        launch_plan.launch(backward_kernel, _grid(a.numel()), a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
     return da, db
 
 

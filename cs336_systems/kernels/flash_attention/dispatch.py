@@ -12,7 +12,7 @@ it to bf16 would put errors of several percent into the recomputed P.
 `forward_launch` decides which forward kernel runs; `choose_backward` resolves the backward's options
 (`BackwardOptions`, from the user's `backward=`) into its kernels (`BackwardChoice`) in one place, and
 `backward_launches` builds them. `flash_forward` / `flash_backward` run them, and replay a launch plan
-(`launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The launch records and the
+(`kernels/launch_plan.py`) for a signature they have seen, so repeat calls skip that work. The launch records and the
 device facts they need are in launches.py, the tensors the launches write in buffers.py. The autograd Function and
 the public `flash_attention` are in function.py; the C++ replay of the same plans in native_launch.py.
 """
@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
+from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, interpreting, next_power_of_2, runs_kernel
 from cs336_systems.kernels.flash_attention import (
     hopper_backward,
     hopper_forward,
     hopper_one_pass,
-    launch_plan,
 )
 from cs336_systems.kernels.flash_attention.backward import (
     DK_ONLY,

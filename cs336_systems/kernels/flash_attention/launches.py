@@ -2,7 +2,7 @@
 
 A launch record holds one kernel's arguments, compile-time flags and grid, so that the same launch can be run
 as chosen (`__call__`), with one explicit tile config (`with_config`: what `cs336-bench attention-tune` times),
-or once more to capture a launch plan (`launch_for_plan`: launch_plan.py). Three kinds, and a sequence of them:
+or once more to capture a launch plan (`launch_for_plan`: kernels/launch_plan.py). Three kinds, and a sequence of them:
 - `KernelLaunch`: an autotuned `tl` kernel (forward.py, backward.py);
 - `FixedLaunch`: a bare kernel on a fixed grid (the backward's D preprocess);
 - `GluonPass`: a Gluon kernel with its one measured config (hopper_*.py);
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from cs336_systems.kernels.flash_attention.launch_plan import bound_values
+from cs336_systems.kernels.launch_plan import bound_values
 
 
 @dataclass

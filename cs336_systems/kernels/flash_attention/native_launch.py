@@ -1,6 +1,6 @@
 """Native launch plans: a repeat attention call with no Python between `flash_attention` and the kernels.
 
-Launch plans (`launch_plan.py`) take Triton's per-call work out of a repeat call, yet a short call stays
+Launch plans (`kernels/launch_plan.py`) take Triton's per-call work out of a repeat call, yet a short call stays
 host-bound: a Python autograd.Function costs about as much host time as SDPA's whole forward and backward
 (`scripts/attention_host_overhead.py`'s control), and on autograd's device thread our Python backward ran
 about twice as slow as on the main thread. This module replays the same plans from C++
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.kernels import native_build
-from cs336_systems.kernels.flash_attention import buffers, dispatch, launch_plan
+from cs336_systems.kernels import launch_plan, native_build
+from cs336_systems.kernels.flash_attention import buffers, dispatch
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
 SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")

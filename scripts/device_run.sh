@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-session, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, tests, tests-session, tests-host, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -43,6 +43,19 @@ run_stage() {
         tests/test_kernels_cross_entropy.py tests/test_kernels_flash_fuzz.py tests/test_memory_checkpointing.py \
         tests/test_bench_fused_ops.py tests/test_bench_cross_entropy.py > "$OUT/tests_session.log" 2>&1
       tail -30 "$OUT/tests_session.log"
+      ;;
+    tests-host)
+      # What the 2026-12-05 third session changed without a GPU: the Gluon backward kernels' nested stride tuples
+      # (PTX identical on CPU, through Triton's own binder), launch plans for the small kernels (a replay must equal
+      # the normal launch bit for bit), RoPE's positions check and the fused model's cached positions, the launch
+      # buffers' module; then the PyTorch FA2 class's fp32 D from P dP (its GPU fuzz at 2x). The log comes back whole.
+      CS336_AUTOTUNE=0 timeout 420 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
+        tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_adapters_attention.py \
+        tests/test_recipe.py > "$OUT/tests_host.log" 2>&1
+      tail -20 "$OUT/tests_host.log"
+      CS336_AUTOTUNE=0 timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_fuzz.py \
+        -k pytorch_flash_fuzz_gpu 2>&1 | tail -4
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 import cs336_systems.kernels.rmsnorm as rmsnorm_module
+import cs336_systems.kernels.rope as rope_module
 import cs336_systems.kernels.swiglu as swiglu_module
+from cs336_basics.model import RotaryEmbedding
 
 
 class _NoLaunch:
@@ -34,6 +36,22 @@ def _stub_launches() -> None:
     for module in (rmsnorm_module, swiglu_module):
         module._kernels = lambda: (_NoLaunch(), _NoLaunch())
         module.runs_kernel = lambda tensor: True
+    rope_module._kernel = lambda: _NoLaunch()
+    rope_module.runs_kernel = lambda tensor: True
+
+
+def _torch_rope(x, cos, sin):
+    """The baseline LM's RoPE (bench/baseline_lm.py): even and odd halves, rotated, interleaved back."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def _forward_backward(forward):
+    """forward() and a backward of its (first) output with ones."""
+    def step():
+        out = forward()
+        out.backward(torch.ones_like(out))
+    return step
 
 
 def _per_call_us(fn, calls: int, repeats: int) -> float:
@@ -60,11 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(4, 8, 64, requires_grad=True)
     weight = torch.ones(64, requires_grad=True)
     a, b = torch.randn(4, 8, 64, requires_grad=True), torch.randn(4, 8, 64, requires_grad=True)
+    # RoPE on the model's head view (batch, heads, seq, d_head), positions shared by the heads.
+    heads = torch.randn(4, 8, 2, 32).transpose(1, 2).requires_grad_()
+    cache = RotaryEmbedding(context_length=16, dim=32)._freq_cis_cache
+    positions = torch.arange(8)[None]
+    cos, sin = cache[0, :8], cache[1, :8]
     cases = [
         ("rmsnorm forward (ours, launch stubbed)", lambda: rmsnorm_module.rmsnorm(x, weight, 1e-5)),
         ("F.rms_norm forward (torch, CPU maths)", lambda: F.rms_norm(x, (64,), weight, 1e-5)),
         ("silu_mul forward (ours, launch stubbed)", lambda: swiglu_module.silu_mul(a, b)),
         ("silu(a) * b forward (torch, CPU maths)", lambda: F.silu(a) * b),
+        ("rope forward (ours, launch stubbed)", lambda: rope_module.rope(heads, positions, cache)),
+        ("rope forward (torch, CPU maths)", lambda: _torch_rope(heads, cos, sin)),
+        ("rmsnorm fwd+bwd (ours, launch stubbed)", _forward_backward(lambda: rmsnorm_module.rmsnorm(x, weight))),
+        ("F.rms_norm fwd+bwd (torch, CPU maths)", _forward_backward(lambda: F.rms_norm(x, (64,), weight, 1e-5))),
+        ("silu_mul fwd+bwd (ours, launch stubbed)", _forward_backward(lambda: swiglu_module.silu_mul(a, b))),
+        ("silu(a) * b fwd+bwd (torch, CPU maths)", _forward_backward(lambda: F.silu(a) * b)),
+        ("rope fwd+bwd (ours, launch stubbed)", _forward_backward(lambda: rope_module.rope(heads, positions, cache))),
+        ("rope fwd+bwd (torch, CPU maths)", _forward_backward(lambda: _torch_rope(heads, cos, sin))),
     ]
     print(f"median us per call, {args.repeats} x {args.calls} calls, torch {torch.__version__}")
     for name, fn in cases:

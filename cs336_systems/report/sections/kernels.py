@@ -102,20 +102,23 @@ def stack_profile(doc: Document, r: Results) -> None:
     cats = cats[cats["run_id"] == run]
     for (preset, context, compiled), part in cats.groupby(["preset", "context", "compile"]):
         phases = rows_of(model, metric="phase_time", run_id=run, preset=preset, context=context, compile=compiled)
-        kernel = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
-        kernel = kernel.groupby(["phase", "provider"])["median"].sum().unstack("provider")
+        by_phase = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
+        kernel = by_phase.groupby(["phase", "provider"])["median"].sum().unstack("provider")
+        launches = by_phase.groupby(["phase", "provider"])["calls_per_step"].sum().unstack("provider").round()
         wall = latest(phases, ["provider", "phase"]).pivot_table(index="phase", columns="provider", values="median")
         table = pd.DataFrame({"ours: phase ms": wall.get("ours"), "ours: kernels ms": kernel.get("ours"),
-                              "baseline: phase ms": wall.get("baseline"),
-                              "baseline: kernels ms": kernel.get("baseline")}).round(2)
+                              "ours: launches": launches.get("ours"), "baseline: phase ms": wall.get("baseline"),
+                              "baseline: kernels ms": kernel.get("baseline"),
+                              "baseline: launches": launches.get("baseline")}).round(2)
         mode = "compiled" if compiled else "eager"
         ours_rows = part[part["provider"] == "ours"]
         doc.add(Paragraph(f"`cs336-bench model --preset {preset} --context {int(context)} --provider ours,baseline "
                           f"--profile` ({mode}; ours: attention {shared_value(col(ours_rows, 'attention'))}, fused "
                           f"kernels {shared_value(col(ours_rows, 'fused'))}, optimizer "
                           f"{shared_value(col(ours_rows, 'optimizer'))}): per phase, "
-                          "the mean time of the timed steps and the kernels' own time in it (torch.profiler, the "
-                          "profiled steps); where the first exceeds the second the device waited on the host. "
+                          "the mean time of the timed steps, the kernels' own time in it and the kernels launched "
+                          "(torch.profiler, the profiled steps, per step); where the first exceeds the second the "
+                          "device waited on the host. "
                           + environment(part)))
         doc.add(Table(table.reset_index().fillna(""), f"{preset}, context {int(context)}, {mode}: ms per step"))
         kinds = part.groupby(["category", "provider"])["median"].sum().unstack("provider").fillna(0.0)

@@ -104,7 +104,8 @@ def stack_profile(doc: Document, r: Results) -> None:
         phases = rows_of(model, metric="phase_time", run_id=run, preset=preset, context=context, compile=compiled)
         by_phase = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
         kernel = by_phase.groupby(["phase", "provider"])["median"].sum().unstack("provider")
-        launches = by_phase.groupby(["phase", "provider"])["calls_per_step"].sum().unstack("provider").round()
+        launches = (by_phase.assign(calls=col(by_phase, "calls_per_step")).groupby(["phase", "provider"])["calls"]
+                    .sum(min_count=1).unstack("provider").round())
         wall = latest(phases, ["provider", "phase"]).pivot_table(index="phase", columns="provider", values="median")
         table = pd.DataFrame({"ours: phase ms": wall.get("ours"), "ours: kernels ms": kernel.get("ours"),
                               "ours: launches": launches.get("ours"), "baseline: phase ms": wall.get("baseline"),

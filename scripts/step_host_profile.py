@@ -3,8 +3,10 @@
 At small sizes a step is host-bound (notes/model_sizes.md): the GPU waits for Python. This builds the model
 suite's configurations (the same `_Harness` the `model` suite times), warms each up, then runs the timed steps
 under cProfile and prints, per configuration, the wall time per step and the functions with the most own time
-(tottime) and the most time below them (cumtime) over the profiled steps. A variant list takes our pieces away one at a
-time, so the cost of each (fused kernels, fused AdamW) shows as a difference of step times.
+(tottime) and the most time below them (cumtime) over the profiled steps, then torch.profiler's CPU self time
+per operator (dispatch, our custom operators, launches: what cProfile sees only as the Python call reaching
+them). A variant list takes our pieces away one at a time, so the cost of each (fused kernels, fused AdamW) shows
+as a difference of step times.
 
     python scripts/step_host_profile.py --preset small --context 512 --compile off,on --out DIR
     python scripts/step_host_profile.py --variants ours,baseline --steps 20
@@ -100,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
                     profiler.enable()
                     _steps_ms(step, args.steps, device)
                     profiler.disable()
+                    # The operators' own host time (dispatch, custom ops, launches), which cProfile sees only
+                    # as the Python call that reached them: torch.profiler's CPU side, self time per op.
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as ops:
+                        _steps_ms(step, args.steps, device)
             except Exception as error:  # a failing variant is reported and the rest still run
                 print(f"{name:<24} {compile_choice:<16} failed: {type(error).__name__}: {error}")
                 continue
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"{args.steps} steps\n")
             stats.sort_stats("tottime").print_stats(args.top)
             stats.sort_stats("cumulative").print_stats(args.top)
+            text.write(f"\n# torch.profiler, CPU self time per op over {args.steps} steps\n")
+            text.write(ops.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
             if args.out:
                 (args.out / f"host_{name}_{compile_choice}.txt").write_text(text.getvalue())
             del harness, step

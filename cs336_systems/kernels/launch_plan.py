@@ -3,10 +3,10 @@
 A small model's step is host-bound: the GPU finishes a kernel before the host has issued the next. Triton's
 `JITFunction.run` binds and specialises every argument and hashes them on every launch (its binder and cache key
 alone: 11.6 us a launch of the RMSNorm kernel on a 2-core CPU, against 5.0 us for a plan's replay bookkeeping:
-`scripts/launch_host_cost.py`), the autotuner adds its own lookup,
-and our attention launchers redo their eligibility checks (TMA strides, Gluon head dims, device capability) on
-top; together about 85 us for our attention forward against 17-19 us for SDPA's
-(`scripts/attention_host_overhead.py` on the H200's host, c10185dc0fc8).
+`scripts/launch_host_cost.py`), the autotuner adds its own lookup, and our attention launchers redo their
+eligibility checks (TMA strides, Gluon head dims, device capability) on top; together about 85 us for our
+attention forward against 17-19 us for SDPA's (`scripts/attention_host_overhead.py` on the H200's host,
+c10185dc0fc8).
 
 A plan is made once per signature, by running the normal launch path once and capturing, for each kernel it
 launched, the compiled kernel, its grid and every argument's value. Later calls with that signature call the

@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     for choice in compiles:
         if choice not in ("off", "on", "reduce-overhead"):
             parser.error(f"--compile: unknown {choice!r}; choose from off, on, reduce-overhead")
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for name in ("steps", "context", "batch", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)

@@ -235,3 +235,29 @@ def test_operator_host_overhead_script_runs():
     assert len(lines) == 13 and all(float(line.split()[-1]) > 0 for line in lines[1:])
     bad = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--calls" in bad.stderr
+
+
+def test_step_host_profile_script_runs(tmp_path):
+    """scripts/step_host_profile.py (on the CPU here; the GPU stage `host-profile` runs it at small/512) times each
+    variant's step and writes its profile tables, and refuses bad counts and unknown variants before any work."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "step_host_profile.py"
+    # Our operators' CPU maths, as a user without a GPU runs them (the interpreter refuses bf16 autocast's inputs).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--preset", "tiny", "--context", "16",
+                           "--compile", "off", "--steps", "1", "--variants", "ours,baseline", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("ours ", "baseline "))]
+    assert [row[:2] for row in rows] == [["ours", "off"], ["baseline", "off"]] and all(float(r[2]) > 0 for r in rows)
+    for name in ("ours", "baseline"):
+        text = (tmp_path / f"host_{name}_off.txt").read_text()
+        assert "Ordered by: internal time" in text and "CPU self time per op" in text
+    for bad, option in ((["--steps", "0"], "--steps"), (["--variants", "mine"], "--variants")):
+        refused = subprocess.run([sys.executable, str(script), "--device", "cpu", *bad], capture_output=True,
+                                 text=True, timeout=300)
+        assert refused.returncode == 2 and option in refused.stderr

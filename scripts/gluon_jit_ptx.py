@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         batch, heads, seq, head_dim = (int(v) for v in args.shape.split(","))
     except ValueError:
         parser.error(f"--shape: expected four integers batch,heads,seq,d, got {args.shape!r}")
+    if min(batch, heads, seq) < 1 or head_dim not in hopper_backward.HEAD_DIMS:
+        parser.error(f"--shape: batch, heads and seq must be >= 1 and d one of {hopper_backward.HEAD_DIMS} (the Gluon "
+                     f"passes' head dims), got {args.shape!r}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     q, k, v, do, dq, dk, dv = (torch.zeros(batch, heads, seq, head_dim, dtype=dtype) for _ in range(7))
     lse = torch.zeros(batch * heads, seq)

@@ -10,44 +10,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from operator_host_overhead import NoLaunch, per_call_us  # (this folder: the script's own)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import compute_cache_key, create_function_from_signature
 
 import cs336_systems.kernels.rmsnorm as rmsnorm_module
 from cs336_systems.kernels import launch_plan
-
-
-class _NoRun:
-    """A compiled kernel whose launcher does nothing (`compiled[grid](*values)`)."""
-
-    def __getitem__(self, grid):
-        return lambda *values: None
+from cs336_systems.kernels._triton_utils import interpreting
 
 
 class _Captured:
-    """The RMSNorm forward kernel as `launch_plan.launch` sees it, handing back `_NoRun` on its first launch."""
+    """The RMSNorm forward kernel as `launch_plan.launch` sees it, handing back a compiled kernel that launches
+    nothing on its first launch."""
 
     def __init__(self, kernel):
         self.fn = kernel.fn
 
     def run(self, *args, grid, warmup, **kwargs):
-        return _NoRun()
-
-
-def _per_call_us(fn, calls: int, repeats: int) -> list[float]:
-    for _ in range(min(calls, 1000)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return times
+        return NoLaunch()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.calls < 1 or args.repeats < 1:
         parser.error(f"--calls and --repeats must be >= 1, got {args.calls} and {args.repeats}")
+    if interpreting():
+        parser.error("TRITON_INTERPRET=1 replaces the JIT (and its binder) by the interpreter: unset it")
     kernel, _ = rmsnorm_module._kernels()
     rows, d, block_d = 2048, 768, 1024
     x, weight, y, rstd = torch.randn(rows, d), torch.ones(d), torch.empty(rows, d), torch.empty(rows)
@@ -75,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"us per launch, median (min-max) of {args.repeats} x {args.calls} calls, torch {torch.__version__}")
     for name, fn in (("Triton binder + cache key", bind), ("launch plan replay", replay)):
-        times = _per_call_us(fn, args.calls, args.repeats)
+        times = per_call_us(fn, args.calls, args.repeats)
         print(f"{name:28} {statistics.median(times):6.2f} ({min(times):.2f}-{max(times):.2f})")
     return 0
 

@@ -25,8 +25,8 @@ import cs336_systems.kernels.swiglu as swiglu_module
 from cs336_basics.model import RotaryEmbedding
 
 
-class _NoLaunch:
-    """Stands for a Triton kernel: `kernel[grid](...)` does nothing."""
+class NoLaunch:
+    """Stands for a Triton kernel, or a compiled one: `kernel[grid](...)` does nothing."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -34,9 +34,9 @@ class _NoLaunch:
 
 def _stub_launches() -> None:
     for module in (rmsnorm_module, swiglu_module):
-        module._kernels = lambda: (_NoLaunch(), _NoLaunch())
+        module._kernels = lambda: (NoLaunch(), NoLaunch())
         module.runs_kernel = lambda tensor: True
-    rope_module._kernel = lambda: _NoLaunch()
+    rope_module._kernel = lambda: NoLaunch()
     rope_module.runs_kernel = lambda tensor: True
 
 
@@ -54,7 +54,8 @@ def _forward_backward(forward):
     return step
 
 
-def _per_call_us(fn, calls: int, repeats: int) -> float:
+def per_call_us(fn, calls: int, repeats: int) -> list[float]:
+    """us per call of `fn`, `repeats` timings of `calls` calls each, after a warm-up."""
     for _ in range(min(calls, 300)):
         fn()
     times = []
@@ -63,7 +64,7 @@ def _per_call_us(fn, calls: int, repeats: int) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"median us per call, {args.repeats} x {args.calls} calls, torch {torch.__version__}")
     for name, fn in cases:
-        print(f"{name:42} {_per_call_us(fn, args.calls, args.repeats):8.2f}")
+        print(f"{name:42} {statistics.median(per_call_us(fn, args.calls, args.repeats)):8.2f}")
     return 0
 
 

@@ -101,15 +101,20 @@ def test_bad_inputs():
         silu_mul(torch.ones(2), torch.ones(2, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("rope", [False, True])
-def test_fused_model_computes_the_same_function(rope):
+def _plain_and_fused(num_layers: int, rope: bool):
+    """(plain model, the same weights with our fused kernels, tokens) of the tiny preset at context 24."""
     device = kernel_device()
-    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=24)
+    cfg = ModelConfig.from_name("tiny", num_layers=num_layers, context_length=24)
     torch.manual_seed(0)
     plain = cfg.build(device=device)
     torch.manual_seed(0)
     fused = apply_fused_kernels(cfg.build(device=device), rope=rope)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    return plain, fused, torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_fused_model_computes_the_same_function(rope):
+    plain, fused, tokens = _plain_and_fused(2, rope)
     out_plain, out_fused = plain(tokens), fused(tokens)
     torch.testing.assert_close(out_fused, out_plain, rtol=1e-5, atol=1e-5)
     out_plain.square().mean().backward()
@@ -126,13 +131,7 @@ def test_fused_model_checks_its_positions_once_and_makes_no_arange_per_layer(mon
     import cs336_systems.kernels.rope as rope_module
     from cs336_systems.fused_model import _cached_positions
 
-    device = kernel_device()
-    cfg = ModelConfig.from_name("tiny", num_layers=3, context_length=24)
-    torch.manual_seed(0)
-    plain = cfg.build(device=device)
-    torch.manual_seed(0)
-    fused = apply_fused_kernels(cfg.build(device=device), rope=True)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+    plain, fused, tokens = _plain_and_fused(3, rope=True)
     _cached_positions.cache_clear()
     monkeypatch.setattr(rope_module, "_last_checked", None)
     checks, aranges = [], []

@@ -237,6 +237,23 @@ def test_operator_host_overhead_script_runs():
     assert bad.returncode == 2 and "--calls" in bad.stderr
 
 
+def test_launch_host_cost_script_runs():
+    """scripts/launch_host_cost.py prints Triton's binding cost and a launch plan's replay cost per launch."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "launch_host_cost.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the JIT's binder, not the interpreter)
+    done = subprocess.run([sys.executable, str(script), "--calls", "20", "--repeats", "1"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()[1:]
+    assert [line.split()[0] for line in lines] == ["Triton", "launch"] and all(float(line.split()[-2]) > 0
+                                                                               for line in lines)
+
+
 def test_step_host_profile_script_runs(tmp_path):
     """scripts/step_host_profile.py (on the CPU here; the GPU stage `host-profile` runs it at small/512) times each
     variant's step and writes its profile tables, and refuses bad counts and unknown variants before any work."""

@@ -70,10 +70,14 @@ def store(key: tuple, plan) -> None:
         _plans.popitem(last=False)
 
 
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0
+
+
 def tensor_signature(*tensors: torch.Tensor) -> tuple:
     """What a compiled launch depends on per tensor: shape, strides, dtype, device and whether its address
     is 16-byte aligned (Triton specialises pointers on that; our TMA eligibility checks it)."""
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+    return tuple(_tensor_key(t) for t in tensors)
 
 
 def bound_values(jit_function, args: tuple, kwargs: dict) -> list:
@@ -111,26 +115,30 @@ def capture(compiled, grid: tuple, values: list, tensors: dict[str, torch.Tensor
     for name, tensor in tensors.items():
         by_address.setdefault(tensor.data_ptr(), []).append(name)
     slots = []
-    values = list(values)
     for position, value in enumerate(values):
         if isinstance(value, torch.Tensor):
             names = by_address.get(value.data_ptr(), [])
             if len(names) != 1:
                 return None
             slots.append((position, names[0]))
-            values[position] = None
+    return _captured(compiled, grid, values, tuple(slots))
+
+
+def _captured(compiled, grid: tuple, values: list, slots: tuple) -> CapturedLaunch:
+    """The CapturedLaunch of a launch that has just run, with the slots' tensors taken out of its values."""
+    values = list(values)
+    for position, _ in slots:
+        values[position] = None
     if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
         compiled = compiled.result()
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return CapturedLaunch(compiled[grid], values, tuple(slots), compiled, grid)
+    return CapturedLaunch(compiled[grid], values, slots, compiled, grid)
 
 
 def _argument_key(value) -> object:
     """What a compiled launch depends on in one argument: a tensor's shape, strides, dtype, device and 16-byte
     alignment (Triton specialises pointers on it); any other argument's value (ints are specialised on too)."""
-    if isinstance(value, torch.Tensor):
-        return value.shape, value.stride(), value.dtype, value.device, value.data_ptr() % 16 == 0
-    return value
+    return _tensor_key(value) if isinstance(value, torch.Tensor) else value
 
 
 def _plans_device(tensor: torch.Tensor) -> bool:
@@ -149,11 +157,5 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
         plan({position: args[position].data_ptr() for position, _ in plan.slots})
         return
     compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
-    if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
-        compiled = compiled.result()
-    values = bound_values(kernel, args, kwargs)
     slots = tuple((position, position) for position, value in enumerate(args) if isinstance(value, torch.Tensor))
-    for position, _ in slots:
-        values[position] = None
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    store(key, CapturedLaunch(compiled[grid], values, slots, compiled, grid))
+    store(key, _captured(compiled, grid, bound_values(kernel, args, kwargs), slots))

@@ -104,26 +104,29 @@ def flash_forward_tiled(q, k, v, is_causal: bool, q_tile: int, k_tile: int):
     return out, lse
 
 
-def _tile_probabilities(q, k, lse, is_causal: bool, q0: int, q1: int, k0: int, k1: int, acc_dtype):
-    """P of queries [q0, q1) against keys [k0, k1), recomputed from the saved L."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = q[..., q0:q1, :].to(acc_dtype) @ k[..., k0:k1, :].to(acc_dtype).transpose(-1, -2) * scale
+def _tile_probabilities(q_blk, k_blk, lse_blk, is_causal: bool, q0: int, k0: int, scale: float) -> torch.Tensor:
+    """P of the query tile starting at row q0 against the key tile starting at k0 (tiles in the accumulator
+    dtype; lse_blk: the tile's saved L, (..., rows, 1)), recomputed from the saved L."""
+    s = q_blk @ k_blk.transpose(-1, -2) * scale
     if is_causal:
-        s = s + torch.where(causal_mask(q1 - q0, k1 - k0, q.device, q0, k0), 0.0, MASK_VALUE)
-    return torch.exp(s - lse[..., q0:q1, None].to(acc_dtype))
+        s = s + torch.where(causal_mask(q_blk.shape[-2], k_blk.shape[-2], q_blk.device, q0, k0), 0.0, MASK_VALUE)
+    return torch.exp(s - lse_blk)
 
 
 def delta_from_products(q, k, v, lse, grad_out, is_causal: bool, q_tile: int, k_tile: int) -> torch.Tensor:
     """D = rowsum(P * dP), tile by tile, (..., n_queries) in fp32 (`flash_backward_tiled`'s fp32 D)."""
     acc_dtype = _accumulator_dtype(q)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     delta = torch.zeros(q.shape[:-1], device=q.device, dtype=acc_dtype)
     for q0, q1 in _tiles(q.shape[-2], q_tile):
-        do_blk = grad_out[..., q0:q1, :].to(acc_dtype)
+        q_blk, do_blk = q[..., q0:q1, :].to(acc_dtype), grad_out[..., q0:q1, :].to(acc_dtype)
+        lse_blk = lse[..., q0:q1, None].to(acc_dtype)
         for k0, k1 in _tiles(k.shape[-2], k_tile):
             if is_causal and q1 - 1 < k0:
                 break  # no query in this tile sees these keys or later ones
-            p = _tile_probabilities(q, k, lse, is_causal, q0, q1, k0, k1, acc_dtype)
-            delta[..., q0:q1] += (p * (do_blk @ v[..., k0:k1, :].to(acc_dtype).transpose(-1, -2))).sum(-1)
+            k_blk, v_blk = k[..., k0:k1, :].to(acc_dtype), v[..., k0:k1, :].to(acc_dtype)
+            p = _tile_probabilities(q_blk, k_blk, lse_blk, is_causal, q0, k0, scale)
+            delta[..., q0:q1] += (p * (do_blk @ v_blk.transpose(-1, -2))).sum(-1)
     return delta
 
 
@@ -157,7 +160,7 @@ def flash_backward_tiled(q, k, v, out, lse, grad_out, is_causal: bool, q_tile: i
             if is_causal and q1 - 1 < k0:
                 continue  # no query in this tile sees these keys
             q_blk, do_blk = q[..., q0:q1, :].to(acc_dtype), grad_out[..., q0:q1, :].to(acc_dtype)
-            p = _tile_probabilities(q, k, lse, is_causal, q0, q1, k0, k1, acc_dtype)  # (..., bq, bk)
+            p = _tile_probabilities(q_blk, k_blk, lse[..., q0:q1, None], is_causal, q0, k0, scale)  # (..., bq, bk)
             dv[..., k0:k1, :] += p.transpose(-1, -2) @ do_blk
             dp = do_blk @ v_blk.transpose(-1, -2)
             ds = p * (dp - delta[..., q0:q1, None]) * scale

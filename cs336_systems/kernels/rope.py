@@ -172,16 +172,15 @@ def _check_positions(pos_ids: torch.Tensor, context: int) -> None:
     positions and version: the model rotates Q and K by the same ones, and with `apply_fused_kernels` every layer
     and step by views of one cached tensor (a view is told by its base tensor and its geometry)."""
     global _last_checked
-    message = f"rope: positions must be in [0, {context})"
-    if compiling():  # (in the graph: once per traced call)
-        torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), message)
-        return
-    base = pos_ids if pos_ids._base is None else pos_ids._base
-    seen = (pos_ids.shape, pos_ids.stride(), pos_ids.storage_offset(), pos_ids._version, context)
-    if _last_checked is not None and _last_checked[0]() is base and _last_checked[1] == seen:
-        return
-    torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), message)
-    _last_checked = (weakref.ref(base), seen)
+    eager = not compiling()  # (compiled: the check is in the graph, once per traced call)
+    if eager:
+        base = pos_ids if pos_ids._base is None else pos_ids._base
+        seen = (pos_ids.shape, pos_ids.stride(), pos_ids.storage_offset(), pos_ids._version, context)
+        if _last_checked is not None and _last_checked[0]() is base and _last_checked[1] == seen:
+            return
+    torch._assert_async(((pos_ids >= 0) & (pos_ids < context)).all(), f"rope: positions must be in [0, {context})")
+    if eager:  # (after the check: positions that failed it are checked again)
+        _last_checked = (weakref.ref(base), seen)
 
 
 def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,9 @@ NOT_ALIGNED = ("n_heads",)  # a count, not a size in elements
 
 TL_AUTOTUNERS = {"forward": forward.flash_forward_kernel, "dkdv": backward.flash_dkdv_kernel,
                  "fused": backward.flash_bwd_fused_kernel, "dq": backward.flash_dq_kernel,
-                 "dv-split": backward.flash_key_grad_kernel, "dk-split": backward.flash_key_grad_kernel}
+                 "dv-split": backward.flash_key_grad_kernel, "dk-split": backward.flash_key_grad_kernel,
+                 "row-stats": backward.flash_row_stats_kernel}
+ROW_STATS = ("RowMax", "RowInvSum")  # the fp32-accurate backward's row statistics (None in other launches)
 
 
 def first_tl_config(name: str, dtype: str, precision: str, head_dim: int) -> tuple[int, int, int, int]:
@@ -75,6 +77,9 @@ def kernels(dtype: str) -> dict:
         "dk-split": (backward._dkdv_kernel, dkdv_pointers, {"DQ_REDUCE": 0, "KEY_GRADS": 2}, None),
         "dq": (backward.flash_dq_kernel.fn, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                | {"L": "*fp32", "Delta": "*fp32"}, {}, None),
+        # The fp32-accurate backward's first pass (fp32 with "ieee" or "tf32x3" only).
+        "row-stats": (backward.flash_row_stats_kernel.fn, {n: t for n in ("Q", "K", "V", "dO")}
+                      | {"Delta": "*fp32"}, {}, None),
         # The Gluon passes (hopper_backward.py): shipped configs at d 128.
         "dkdv-gluon": (hopper_backward.flash_dkdv_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
                        | {"L": "*fp32", "Delta": "*fp32"}, {"KV_REGS": 0, "DQ_ACCUM": None, "DQ_SPLIT": 0,
@@ -103,7 +108,7 @@ NESTED_STRIDES = {"input_strides": 4, "key_grad_strides": 2}
 
 
 def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:
-    constexprs = dict(constexprs)
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in NESTED_STRIDES:
@@ -218,6 +223,12 @@ def main() -> None:
             else:
                 constexprs = dict(IS_CAUSAL=args.causal == "on", BLOCK_D=args.d, EVEN_D=True, PRECISION=precision,
                                   BLOCK_M=bm, BLOCK_N=bn, USE_TMA=args.tma, **extra)
+                if precision == "tf32":  # the row statistics are read by fp32-accurate launches only (None here)
+                    if name == "row-stats":
+                        parser.error("--kernel row-stats: runs for fp32 with --precision ieee or tf32x3 only")
+                    constexprs |= {n: None for n in ROW_STATS}
+                else:
+                    pointers = pointers | {n: "*fp32" for n in ROW_STATS}
             try:
                 compiled = triton.compile(source(fn, pointers, constexprs, gluon), target=target,
                                           options=dict(num_warps=warps, num_stages=1 if gluon else stages))

@@ -3,9 +3,9 @@ seeded random shapes (odd lengths, n_queries != n_keys both ways, one query row,
 16-128, causal and not), fp32 on the CPU (Triton under its interpreter) and fp32 / bf16 / fp16 on the GPU.
 
 Every output and gradient must be within 2x PyTorch's own error at the same precision against fp64, plus the
-floor the other tests use (`assert_within_budget`); in fp32, the Triton kernels within TRITON_FP32_FACTOR x (see
-there). Rows whose gradient is exactly zero in PyTorch and in fp64 (a row that sees one key) must be exactly zero in
-ours too.
+floor the other tests use (`assert_within_budget`); in fp32 under Triton's interpreter, the Triton kernels within
+INTERPRETER_FP32_FACTOR x (see there). Rows whose gradient is exactly zero in PyTorch and in fp64 (a row that sees one
+key) must be exactly zero in ours too.
 """
 
 from __future__ import annotations
@@ -37,14 +37,16 @@ def fuzz_cases(n: int = N_CASES, seed: int = 0) -> list[tuple[tuple, bool]]:
 
 CASES = fuzz_cases()
 
-# fp32, the Triton kernels: FA2 recomputes P from the saved L (its exponent rounds with |L|) and takes D = rowsum(O dO),
-# where PyTorch's softmax backward takes D = rowsum(P dP) from the same dP; on rows with few keys both round apart by
-# more than 2x PyTorch's own fp32 error. Over 2x: 5 of 200 CPU cases here (up to 5.25x), 13 of 400 on the H200 (up to
-# 4.4x), and other cases on the H200 machine's CPU: a list of exceptions is not portable, so they get 6x. Forming D
-# as rowsum(P dP) in a sweep of its own (tried, 2026-12-05) fixed the dQ cases but left dK, dV and one output over
-# 2x (dV up to 5.2x: P's rounding through L, not D). The PyTorch class forms D that way in fp32
-# (`reference.delta_from_products`) and keeps 2x, as bf16 and fp16 do for both.
-TRITON_FP32_FACTOR = 6.0
+# fp32, the Triton kernels under Triton's CPU interpreter. Their backward recomputes P from each row's max and inverse
+# sum and forms D = rowsum(P dP) (`backward.flash_row_stats_kernel`), as PyTorch's softmax does, where P from the
+# saved L and D = rowsum(O dO) put 5 of these 200 cases over 2x, up to 5.25x. What is left is the interpreter's
+# arithmetic: its tl.dot is numpy's sgemm of a zero-padded tile, whose fp32 sum over the head dim rounds up to ~5x
+# worse than torch's own CPU matmul of the same rows (case 120: 1.4e-5 against 2.9e-6), and the scores reach P
+# through an exponential. 198 of 200 are within 2x; an output at 1.05x and a dV at 1.63x of the 2x budget are not
+# (3.3x PyTorch's error). With S and dP summed in fp64 inside the kernels (tried, 2026-12-05: all 200 within 2x)
+# the fp32 kernels spilled up to 47 KB a thread on sm_90 (`scripts/flash_ptx_schedule.py`), so that was not kept.
+# On the GPU, neither rounds through numpy: the GPU test holds the Triton kernels to 2x in every dtype.
+INTERPRETER_FP32_FACTOR = 4.0
 
 
 def _check(fn, case_index: int, dtype: torch.dtype, device: str, fp32_factor: float = 2.0) -> None:
@@ -89,7 +91,18 @@ def test_triton_flash_fuzz_interpreter(dtype_name, case_index):
         pytest.skip("the GPU runs test_triton_flash_fuzz_gpu")
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    _check(flash_attention, case_index, DTYPES[dtype_name], "cpu", TRITON_FP32_FACTOR)
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cpu", INTERPRETER_FP32_FACTOR)
+
+
+# The cases over 2x under the interpreter when P came from L and D from O dO (37, 49, 132), and those where D
+# formed by one pass and dP by another rounded apart (12, 34, 83: `backward._dkdv_query_tiles` loads dO transposed).
+@pytest.mark.parametrize("case_index", [12, 34, 37, 49, 83, 132])
+def test_triton_fp32_within_2x_where_p_from_l_and_d_from_o_were_not(case_index):
+    if kernel_device() != "cpu":
+        pytest.skip("the GPU runs test_triton_flash_fuzz_gpu at 2x")
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    _check(flash_attention, case_index, torch.float32, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -103,4 +116,4 @@ def test_pytorch_flash_fuzz_gpu(dtype_name, case_index):
 def test_triton_flash_fuzz_gpu(dtype_name, case_index):
     from cs336_systems.kernels.flash_attention.function import flash_attention
 
-    _check(flash_attention, case_index, DTYPES[dtype_name], "cuda", TRITON_FP32_FACTOR)
+    _check(flash_attention, case_index, DTYPES[dtype_name], "cuda")

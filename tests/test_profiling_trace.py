@@ -36,6 +36,7 @@ def test_device_kernels_land_in_the_range_open_when_they_ran():
 @pytest.mark.parametrize("name, category", [
     ("_dkdv_kernel", "attention backward dK/dV"),
     ("flash_dq_kernel", "attention backward dQ"),
+    ("flash_row_stats_kernel", "attention backward row statistics"),
     ("flash_forward_kernel", "attention forward"),
     ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention (vendor)"),
     ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopB_NNT", "matmul"),

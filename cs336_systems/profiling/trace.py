@@ -93,6 +93,7 @@ KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
     (r"dkdv", "attention backward dK/dV"),
     (r"flash_dq", "attention backward dQ"),
     (r"flash_preprocess", "attention backward D"),
+    (r"flash_row_stats", "attention backward row statistics"),
     (r"flash|fmha|cudnn|sdpa|attention", "attention (vendor)"),
     (r"rmsnorm", "rmsnorm (ours)"),
     (r"silu_mul", "swiglu gate (ours)"),

@@ -3,7 +3,9 @@
 With P = exp(S - L) recomputed from the saved row log-sum-exp L and D = rowsum(O * dO):
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
 
-* `preprocess`: D, one program per (query tile, batch x head).
+* `preprocess`: D, one program per (query tile, batch x head). fp32 with fp32-accurate dots ("ieee", "tf32x3")
+  runs `flash_row_stats_kernel` instead: each row's max m and inverse sum 1 / l, and D = rowsum(P dP), from
+  which the passes recompute P = exp2(s - m) / l (its docstring says why).
 * dK/dV pass: one program per key tile walks the query tiles that see it (causal: from the
   diagonal down), accumulating dK and dV in fp32 registers; it works on transposed tiles
   (S^T = K Q^T) so every product is a plain tl.dot.
@@ -51,19 +53,22 @@ DK_ONLY = tl.constexpr(2)
 @triton.jit
 def flash_preprocess_kernel(O, dO, Delta, DQ_accum, o_strides, do_strides, stride_accum_bh, n_heads, n_queries,
                             head_dim,
-                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr = False):
-    """D = rowsum(O * dO) per query row; with ZERO_DQ, also zeroes the one-pass backward's fp32 dQ accumulator
-    (rows of BLOCK_D values, `stride_accum_bh` apart per (batch, head)) in those rows, which saves a launch of
-    its own."""
+                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_DQ: tl.constexpr = False,
+                            WRITE_DELTA: tl.constexpr = True):
+    """D = rowsum(O * dO) per query row (unless WRITE_DELTA is off: fp32-accurate dots take D from
+    `flash_row_stats_kernel`); with ZERO_DQ, also zeroes the one-pass backward's fp32 dQ accumulator (rows of
+    BLOCK_D values, `stride_accum_bh` apart per (batch, head)) in those rows, which saves a launch of its own."""
     batch_head = tl.program_id(1)
     b, h = batch_head // n_heads, batch_head % n_heads
     m0 = tl.program_id(0) * BLOCK_M
-    o_block = tiles.head_tile(O, b, h, o_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
-    do_block = tiles.head_tile(dO, b, h, do_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
-    o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-    do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    tl.store(Delta + batch_head.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, axis=1), mask=offs_m < n_queries)
+    if WRITE_DELTA:
+        o_block = tiles.head_tile(O, b, h, o_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
+        do_block = tiles.head_tile(dO, b, h, do_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
+        o = tl.load(o_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        tl.store(Delta + batch_head.to(tl.int64) * n_queries + offs_m, tl.sum(o * do, axis=1),
+                 mask=offs_m < n_queries)
     if ZERO_DQ:
         offs_d = tl.arange(0, BLOCK_D)
         rows = DQ_accum + batch_head.to(tl.int64) * stride_accum_bh + offs_m[:, None] * BLOCK_D + offs_d[None, :]
@@ -84,33 +89,105 @@ def add_compensated(total, error, part):
 
 
 @triton.jit
-def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, start_m, end_m, n_queries,
-                      qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """One tile of log2-domain scores, -inf where a key is past n_keys or (causal) right of the query."""
+    s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale
+    offs_n = tile_start + tl.arange(0, BLOCK_N)
+    keep = offs_n[None, :] < n_keys
+    if IS_CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None])
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
+def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_strides, v_strides, do_strides,
+                           n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
+                           IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The fp32-accurate backward's row statistics (PRECISION "ieee" or "tf32x3"), one query tile per program:
+    a sweep over the keys for the row max m of the log2-domain scores and the row sum l of exp2(s - m), then a
+    second for D = rowsum(P * dP) with P = exp2(s - m) / l, as PyTorch's softmax backward forms D. The passes then
+    recompute P from (m, 1 / l) instead of from L = (m + log2 l) / log2(e), whose rounding grows with |L| (a
+    few fp32 units of P where PyTorch's own softmax is within one or two), and D from P dP instead of O dO. This
+    is what holds fp32 to 2x PyTorch's own error (`tests/test_kernels_flash_fuzz.py`); it costs the fp32
+    backward three more products per tile pair (S twice, dP once), and 16-bit inputs never run it."""
+    query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
+    m0 = query_tile * BLOCK_M
+    q = tl.load(tiles.head_tile(Q, b, h, q_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D),
+                boundary_check=(0, 1), padding_option="zero")
+    do = tl.load(tiles.head_tile(dO, b, h, do_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D),
+                 boundary_check=(0, 1), padding_option="zero")
+    kT_tiles = tiles.operand_tiles(tiles.head_base(K, b, h, k_strides), n_keys, head_dim, k_strides, BLOCK_N,
+                                   BLOCK_D, True, False)
+    vT_tiles = tiles.operand_tiles(tiles.head_base(V, b, h, v_strides), n_keys, head_dim, v_strides, BLOCK_N,
+                                   BLOCK_D, True, False)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    keys_end = tl.minimum(m0 + BLOCK_M, n_keys) if IS_CAUSAL else n_keys  # (key 0 is in every row: m is finite)
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for tile_start in range(0, keys_end, BLOCK_N):
+        kT = tl.load(tl.advance(kT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
+        s = _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL, BLOCK_N, PRECISION)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        row_sum = row_sum * tl.math.exp2(row_max - new_max) + tl.sum(tl.math.exp2(s - new_max[:, None]), 1)
+        row_max = new_max
+    inv_sum = 1.0 / row_sum
+    delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for tile_start in range(0, keys_end, BLOCK_N):
+        kT = tl.load(tl.advance(kT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
+        vT = tl.load(tl.advance(vT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
+        s = _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL, BLOCK_N, PRECISION)
+        p = tl.math.exp2(s - row_max[:, None]) * inv_sum[:, None]
+        delta += tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
+    rows = batch_head.to(tl.int64) * n_queries + offs_m
+    in_range = offs_m < n_queries
+    tl.store(RowMax + rows, row_max, mask=in_range)
+    tl.store(RowInvSum + rows, inv_sum, mask=in_range)
+    tl.store(Delta + rows, delta, mask=in_range)
+
+
+@triton.jit
+def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, inv_sum_row, offs_n, start_m, end_m,
+                      n_queries, qk_scale, dq_target, batch_head, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                       DQ_REDUCE: tl.constexpr, USE_TMA: tl.constexpr = False, KEY_GRADS: tl.constexpr = 0):
     """Add the contributions of query tiles [start_m, end_m) to one key tile's dK and dV (KEY_GRADS: both, or
     only dV or only dK, whose pass skips the other's products); with DQ_REDUCE, also add this key tile's share
     of dQ (dS K) into the fp32 accumulator `dq_target`: through a TMA descriptor (DQ_REDUCE == 2, one bulk
     reduce-add per tile) or pointer atomics (DQ_REDUCE == 1). qT_block and do_block come from
-    `tiles.operand_tiles` (Q transposed, dO as is)."""
+    `tiles.operand_tiles` (Q transposed; dO as is, or transposed with fp32-accurate dots). With fp32-accurate dots
+    (PRECISION other than "tf32"), `lse_row` points at the row max m and `inv_sum_row` at 1 / l
+    (`flash_row_stats_kernel`); else `lse_row` at L (inv_sum_row unread)."""
+    EXACT_ROWS: tl.constexpr = PRECISION != "tf32"
     if not USE_TMA:
         qT_block = tl.advance(qT_block, (0, start_m))
-        do_block = tl.advance(do_block, (start_m, 0))
+        do_block = tl.advance(do_block, (0, start_m) if EXACT_ROWS else (start_m, 0))
     dk_error = tl.zeros_like(dk)  # (fp32-accurate dots only: add_compensated)
     dv_error = tl.zeros_like(dv)
     for tile_start in range(start_m, end_m, BLOCK_M):
         offs_m = tile_start + tl.arange(0, BLOCK_M)
         qT = tiles.load_tile(qT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_M)
-        do = tiles.load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
+        if EXACT_ROWS:
+            # dP^T = V dO^T from dO^T as loaded, as the row statistics' dP = dO V^T is formed: D = rowsum(P dP) and
+            # dP - D cancel only if both products round alike (Triton's interpreter rounds a dot of a transposed
+            # view differently: numpy's sgemm of an F-ordered operand).
+            do = tl.trans(tiles.load_tile(do_block, tile_start, MASKED or not EVEN_D, True, USE_TMA))
+        else:
+            do = tiles.load_tile(do_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_M, BLOCK_D)
         if MASKED:
-            # Rows past n_queries get L = +inf, so their P is exactly 0.
+            # Rows past n_queries get L (or m) = +inf, so their P is exactly 0.
             lse = tl.load(lse_row + offs_m, mask=offs_m < n_queries, other=float("inf"))
             delta = tl.load(delta_row + offs_m, mask=offs_m < n_queries, other=0.0)
         else:
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
         sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-        pT = tl.math.exp2(sT - lse[None, :] * LOG2E)
+        if PRECISION != "tf32":
+            inv_sum = tl.load(inv_sum_row + offs_m, mask=offs_m < n_queries, other=0.0)
+            pT = tl.math.exp2(sT - lse[None, :]) * inv_sum[None, :]
+        else:
+            pT = tl.math.exp2(sT - lse[None, :] * LOG2E)
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         if KEY_GRADS != DV_ONLY:
@@ -137,18 +214,19 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs
                 tl.atomic_add(rows, dq_part, mask=offs_m[:, None] < n_queries, sem="relaxed")
         if not USE_TMA:
             qT_block = tl.advance(qT_block, (0, BLOCK_M))
-            do_block = tl.advance(do_block, (BLOCK_M, 0))
+            do_block = tl.advance(do_block, (0, BLOCK_M) if EXACT_ROWS else (BLOCK_M, 0))
     if PRECISION != "tf32":
         dk, dv = dk - dk_error, dv - dv_error
     return dk, dv
 
 
 @triton.jit
-def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
+def _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, start_n, end_n, n_keys, qk_scale,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
     """Add the contributions of key tiles [start_n, end_n) to one query tile's dQ. kT_block and vT_block
-    come from `tiles.operand_tiles` (K and V transposed)."""
+    come from `tiles.operand_tiles` (K and V transposed). With fp32-accurate dots (PRECISION other than "tf32"),
+    `lse` holds the row max m and `inv_sum` 1 / l (`flash_row_stats_kernel`); else `lse` is L (inv_sum unread)."""
     if not USE_TMA:
         kT_block = tl.advance(kT_block, (0, start_n))
         vT_block = tl.advance(vT_block, (0, start_n))
@@ -157,7 +235,10 @@ def _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, start_n, en
         kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = tiles.load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
         s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        p = tl.math.exp2(s - lse[:, None] * LOG2E)
+        if PRECISION != "tf32":
+            p = tl.math.exp2(s - lse[:, None]) * inv_sum[:, None]
+        else:
+            p = tl.math.exp2(s - lse[:, None] * LOG2E)
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             keep = offs_n[None, :] < n_keys
@@ -263,7 +344,7 @@ _BACKWARD_KEY = ["n_queries_bucket", "n_keys_bucket", "BLOCK_D", "IS_CAUSAL", "P
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
+def _dkdv_kernel(Q, K, V, dO, L, Delta, RowMax, RowInvSum, dK, dV, DQ_ACCUM,
                       q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
                       n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                       IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -286,10 +367,15 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     q_base = tiles.head_base(Q, b, h, q_strides)
     do_base = tiles.head_base(dO, b, h, do_strides)
     qT_block = tiles.operand_tiles(q_base, n_queries, head_dim, q_strides, BLOCK_M, BLOCK_D, True, USE_TMA)
-    do_block = tiles.operand_tiles(do_base, n_queries, head_dim, do_strides, BLOCK_M, BLOCK_D, False,
-                             USE_TMA)
+    do_block = tiles.operand_tiles(do_base, n_queries, head_dim, do_strides, BLOCK_M, BLOCK_D, PRECISION != "tf32",
+                                   USE_TMA)  # (fp32-accurate dots: transposed, `_dkdv_query_tiles` says why)
     lse_row = L + batch_head.to(tl.int64) * n_queries
     delta_row = Delta + batch_head.to(tl.int64) * n_queries
+    if PRECISION != "tf32":  # fp32-accurate: P from `flash_row_stats_kernel`'s (m, 1 / l), not from L
+        lse_row = RowMax + batch_head.to(tl.int64) * n_queries
+        inv_sum_row = RowInvSum + batch_head.to(tl.int64) * n_queries
+    else:
+        inv_sum_row = lse_row  # (unread)
     k = tl.load(k_block, boundary_check=(0, 1), padding_option="zero")
     if KEY_GRADS != DV_ONLY:
         v = tl.load(v_block, boundary_check=(0, 1), padding_option="zero")
@@ -300,22 +386,23 @@ def _dkdv_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM,
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
 
     full_query_tiles_end = (n_queries // BLOCK_M) * BLOCK_M
+    rows = (lse_row, delta_row, inv_sum_row)
     if IS_CAUSAL:
         # Queries [n0, n0 + BLOCK_N) straddle the diagonal: masked. Later ones see the whole key tile.
         diagonal_end = tl.minimum(n0 + BLOCK_N, n_queries)
-        dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, n0, diagonal_end,
-                                   n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M,
-                                   BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, *rows, offs_n, n0, diagonal_end, n_queries,
+                                   qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M, BLOCK_D,
+                                   PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
         unmasked_start = n0 + BLOCK_N
     else:
         unmasked_start = 0
     unmasked_end = tl.maximum(unmasked_start, full_query_tiles_end)
-    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_start,
-                               full_query_tiles_end, n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL,
-                               EVEN_D, BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
-    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, offs_n, unmasked_end,
-                               n_queries, n_queries, qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D,
-                               BLOCK_M, BLOCK_D, PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, *rows, offs_n, unmasked_start, full_query_tiles_end,
+                               n_queries, qk_scale, dq_target, batch_head, False, IS_CAUSAL, EVEN_D, BLOCK_M, BLOCK_D,
+                               PRECISION, DQ_REDUCE, USE_TMA, KEY_GRADS)
+    dk, dv = _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, *rows, offs_n, unmasked_end, n_queries, n_queries,
+                               qk_scale, dq_target, batch_head, True, IS_CAUSAL, EVEN_D, BLOCK_M, BLOCK_D, PRECISION,
+                               DQ_REDUCE, USE_TMA, KEY_GRADS)
 
     # dK and dV in their own layouts (the host makes them like K and V, so the gradients of the model's
     # strided head views flow back without copies).
@@ -349,7 +436,7 @@ flash_bwd_fused_kernel = triton.autotune(
 @triton.autotune(configs=configs_from_families(DQ_TILE_FAMILIES), key=_BACKWARD_KEY,
                  prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_TILE_FAMILIES)})
 @triton.jit
-def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
+def flash_dq_kernel(Q, K, V, dO, L, Delta, RowMax, RowInvSum, dQ,
                     q_strides, k_strides, v_strides, do_strides, dq_strides,
                     n_heads, n_queries, n_keys, head_dim, qk_scale, sm_scale, n_queries_bucket, n_keys_bucket,
                     IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
@@ -366,17 +453,31 @@ def flash_dq_kernel(Q, K, V, dO, L, Delta, dQ,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     q = tl.load(q_block, boundary_check=(0, 1), padding_option="zero")
     do = tl.load(do_block, boundary_check=(0, 1), padding_option="zero")
-    lse = tl.load(L + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=float("inf"))
+    if PRECISION != "tf32":  # fp32-accurate: P from `flash_row_stats_kernel`'s (m, 1 / l), not from L
+        rows = batch_head.to(tl.int64) * n_queries + offs_m
+        lse = tl.load(RowMax + rows, mask=offs_m < n_queries, other=float("inf"))
+        inv_sum = tl.load(RowInvSum + rows, mask=offs_m < n_queries, other=0.0)
+    else:
+        lse = tl.load(L + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries,
+                      other=float("inf"))
+        inv_sum = lse  # (unread)
     delta = tl.load(Delta + batch_head.to(tl.int64) * n_queries + offs_m, mask=offs_m < n_queries, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
 
     unmasked_end, masked_end = tiles.key_tile_ends(m0, n_keys, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys, qk_scale,
-                       False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
-    dq = _dq_key_tiles(dq, q, do, lse, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys, qk_scale,
-                       True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
+    dq = _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, 0, unmasked_end, n_keys,
+                       qk_scale, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
+    dq = _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, unmasked_end, masked_end, n_keys,
+                       qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
     dq_block = tiles.head_tile(dQ, b, h, dq_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D)
     tl.store(dq_block, (dq * sm_scale).to(dQ.dtype.element_ty), boundary_check=(0, 1))
+
+
+# The row statistics walk the keys of one query tile as the dQ pass does: its tiles and pruning.
+flash_row_stats_kernel = triton.autotune(
+    configs=configs_from_families(DQ_TILE_FAMILIES), key=_BACKWARD_KEY,
+    prune_configs_by={"early_config_prune": _prune_backward("BLOCK_M", "BLOCK_N", DQ_TILE_FAMILIES)})(
+        flash_row_stats_kernel)
 
 
 def _compiled_backward_math(q, k, v, out, lse, grad_out, is_causal: bool):
@@ -407,4 +508,4 @@ def compiled_backward(q, k, v, out, lse, grad_out, is_causal: bool):
 
 __all__ = ["LOG2E", "compiled_backward", "flash_bwd_fused_kernel", "flash_dkdv_kernel", "flash_dq_kernel",
            "flash_key_grad_kernel",
-           "flash_preprocess_kernel"]
+           "flash_preprocess_kernel", "flash_row_stats_kernel"]

@@ -18,10 +18,14 @@ def forward_buffers(q) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
 
 
-def backward_buffers(k, v, lse) -> dict[str, torch.Tensor]:
-    """D and the backward's dK, dV, named as launch plans know them."""
+def backward_buffers(k, v, lse, exact_rows: bool = False) -> dict[str, torch.Tensor]:
+    """D and the backward's dK, dV, named as launch plans know them; with exact_rows (`dispatch.exact_row_stats`),
+    also each query row's max and inverse sum (`backward.flash_row_stats_kernel`)."""
     # Gradients in their inputs' layouts: the model's strided head views get theirs back without copies.
-    return dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    buffers = dict(delta=torch.empty_like(lse), dk=torch.empty_like(k), dv=torch.empty_like(v))
+    if exact_rows:
+        buffers |= dict(row_max=torch.empty_like(lse), row_inv_sum=torch.empty_like(lse))
+    return buffers
 
 
 def dq_accum_shape(q, accum: str) -> tuple[int, int]:

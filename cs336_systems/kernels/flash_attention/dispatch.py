@@ -40,6 +40,7 @@ from cs336_systems.kernels.flash_attention.backward import (
     flash_dq_kernel,
     flash_key_grad_kernel,
     flash_preprocess_kernel,
+    flash_row_stats_kernel,
 )
 from cs336_systems.kernels.flash_attention.buffers import backward_buffers, backward_result, dq_buffer, forward_buffers
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
@@ -177,6 +178,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return out, lse
 
 
+def exact_row_stats(q: torch.Tensor) -> bool:
+    """Whether the backward recomputes P from its own row statistics (`backward.flash_row_stats_kernel`): fp32 with
+    fp32-accurate dots ("ieee", "tf32x3"), held to 2x PyTorch's own error; 16-bit and "tf32" recompute P from L."""
+    return dot_precision(q.dtype) != "tf32"
+
+
 def forward_plan_key(q, k, v, is_causal: bool) -> tuple:
     return "forward", bool(is_causal), dot_precision(q.dtype), launch_plan.tensor_signature(q, k, v)
 
@@ -262,17 +269,27 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
-    buffers = backward_buffers(k, v, lse) | dq_buffer(q, choice.accumulator)
+    exact_rows = exact_row_stats(q)
+    buffers = backward_buffers(k, v, lse, exact_rows) | dq_buffer(q, choice.accumulator)
     delta, dk4, dv4 = buffers["delta"], _as_4d(buffers["dk"]), _as_4d(buffers["dv"])
+    row_max, row_inv_sum = buffers.get("row_max"), buffers.get("row_inv_sum")
     dq_accum = buffers.get("dq_accum")
     preprocess_rows = 64
     accum_args = (dq_accum, dq_accum.stride(0)) if dq_accum is not None else (None, 0)
     preprocess = FixedLaunch(
         flash_preprocess_kernel,
         (o4, do4, delta, accum_args[0], o4.stride(), do4.stride(), accum_args[1], heads, n_queries, head_dim),
-        dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None),
+        dict(BLOCK_M=preprocess_rows, BLOCK_D=block_d, ZERO_DQ=dq_accum is not None, WRITE_DELTA=not exact_rows),
         (cdiv(n_queries, preprocess_rows), batch * heads))
     sm_scale = 1.0 / math.sqrt(head_dim)
+    if exact_rows:  # (m, 1 / l) and D = rowsum(P dP) first; the preprocess then only zeroes a dQ accumulator
+        row_stats = KernelLaunch(
+            flash_row_stats_kernel,
+            (q4, k4, v4, do4, row_max, row_inv_sum, delta, q4.stride(), k4.stride(), v4.stride(), do4.stride(),
+             heads, n_queries, n_keys, head_dim, sm_scale * LOG2E.value, nq_bucket, nk_bucket),
+            dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, PRECISION=precision),
+            lambda meta: (cdiv(n_queries, meta["BLOCK_M"]), batch * heads))
+        preprocess = row_stats if dq_accum is None else LaunchSequence((preprocess, row_stats))
     if (any("gluon" in name or "tma" in name for name in choice.kernels)
             or choice.kernels == ("fused",) and has_tma(q.device)):  # (it reduces dQ by descriptor there)
         install_descriptor_allocator(q.device)
@@ -281,7 +298,7 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
         dkdv = one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal, sm_scale)
         return (preprocess, dkdv, None), buffers
 
-    common = (q4, k4, v4, do4, lse, delta)
+    common = (q4, k4, v4, do4, lse, delta, row_max, row_inv_sum)  # (the last two None unless exact_rows)
     strides = (q4.stride(), k4.stride(), v4.stride(), do4.stride())  # each tensor's strides: one tuple argument
     sizes = (heads, n_queries, n_keys, head_dim, sm_scale * LOG2E.value, sm_scale, nq_bucket, nk_bucket)
     flags = dict(IS_CAUSAL=bool(is_causal), BLOCK_D=block_d, EVEN_D=even_d, PRECISION=precision)
@@ -337,7 +354,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: Backwa
     tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
     captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
     if all(c is not None for c in captured):
-        launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator))
+        launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator, exact_row_stats(q)))
     return backward_result(q, buffers, choice.accumulator)
 
 
@@ -348,9 +365,10 @@ class _BackwardPlan:
 
     launches: tuple[launch_plan.CapturedLaunch, ...]
     accum: str | None  # `buffers.dq_buffer`'s accumulator kind
+    exact_rows: bool  # `exact_row_stats`: row statistics buffers too
 
     def __call__(self, q, k, v, out, lse, grad_out):
-        buffers = backward_buffers(k, v, lse) | dq_buffer(q, self.accum)
+        buffers = backward_buffers(k, v, lse, self.exact_rows) | dq_buffer(q, self.accum)
         addresses = {name: t.data_ptr() for name, t in buffers.items()}
         addresses.update(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(), lse=lse.data_ptr(),
                          grad_out=grad_out.data_ptr())
@@ -364,7 +382,8 @@ def chosen_configs() -> dict[str, dict]:
     """The autotuner's choices so far: kernel -> {tuning key: 'BLOCK_M=.., BLOCK_N=.., warps, stages'}."""
     chosen = {}
     for name, kernel in (("forward", flash_forward_kernel), ("dkdv", flash_dkdv_kernel), ("dq", flash_dq_kernel),
-                         ("fused", flash_bwd_fused_kernel), ("dkdv-split", flash_key_grad_kernel)):
+                         ("fused", flash_bwd_fused_kernel), ("dkdv-split", flash_key_grad_kernel),
+                         ("row-stats", flash_row_stats_kernel)):
         chosen[name] = {str(key): str(config) for key, config in getattr(kernel, "cache", {}).items()}
         if not chosen[name] and len(kernel.configs) == 1:  # one candidate (the interpreter): never tuned
             chosen[name] = {"every key": str(kernel.configs[0])}

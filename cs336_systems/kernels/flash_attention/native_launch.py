@@ -172,6 +172,8 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         return False
     if k.shape[-2] == 1:
         return False  # one key: the Python path zeroes dQ and dK exactly (`buffers.backward_result`)
+    if dispatch.exact_row_stats(q):
+        return False  # fp32-accurate dots: the C++ plans allocate no row statistics (`buffers.backward_buffers`)
     options = dispatch.BACKWARD_OPTIONS[backward]
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()

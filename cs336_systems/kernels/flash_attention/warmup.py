@@ -28,9 +28,11 @@ def _launches(head_dim: int, dtype: torch.dtype, causal: bool, device: str = "cu
 
     q, k, v, grad_out = (torch.randn(1, 1, WARM_SEQ, head_dim, device=device, dtype=dtype) for _ in range(4))
     forward, out, lse = forward_launch(q, k, v, causal)
-    _, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)  # (Gluon: not tuned)
+    first, dkdv, dq, _ = backward_launches(q, k, v, out, lse, grad_out, causal, gluon=False)  # (Gluon: not tuned)
     _, fused, _, _ = backward_launches(q, k, v, out, lse, grad_out, causal, fused=True, gluon=False)
     launches = dict(forward=forward, dkdv=dkdv, dq=dq, fused=fused)
+    if isinstance(first, KernelLaunch):  # fp32-accurate dots: the row statistics pass, tuned as the dQ pass
+        launches["row-stats"] = first
     if isinstance(dkdv, LaunchSequence):  # wide heads: the dV and the dK pass, each compiled on its own
         del launches["dkdv"]
         launches |= dict(zip(("dv", "dk"), dkdv.parts))

@@ -22,7 +22,9 @@ IMPLEMENTATION_PROBLEMS = {
         "D = rowsum(O * dO), then P recomputed from the saved L: the torch.compile'd PyTorch version "
         "(impl='compile'), the two-pass Triton backward (dK/dV over query tiles, dQ over key tiles, no atomics) and "
         "the one-pass kernels that add dQ into fp32 rows (`dispatch.choose_backward` picks one per device, dtype "
-        "and head dim).",
+        "and head dim). In fp32 with fp32-accurate dots, a first pass forms each row's max and inverse sum and D = "
+        "rowsum(P * dP), as PyTorch's softmax backward forms it, and P is recomputed from those instead of from L, "
+        "whose rounding grows with its magnitude.",
         "tests/test_kernels_flash_attention.py, tests/test_kernels_flash_fuzz.py"),
     "naive_ddp": (
         "one all-reduce per parameter after the backward",

@@ -345,12 +345,12 @@ def _dry_spec(*slots_and_scalars):
     return 0, [2, 3, 1, 4, 1, 0, 0, 0, 0], kinds, integers, [0.0] * len(kinds)
 
 
-@pytest.mark.parametrize("accum", [0, 1])
-def test_native_node_allocates_and_addresses_like_the_python_path(accum):
+@pytest.mark.parametrize("accum, row_stats", [(0, False), (1, False), (0, True), (1, True)])
+def test_native_node_allocates_and_addresses_like_the_python_path(accum, row_stats):
     """The C++ autograd node on CPU tensors with launches recorded, not run: the forward hands its kernel q, k, v
     and fresh O and L; the backward copies a broadcast gradient into O's layout, allocates D, dK, dV and dQ (or
-    the fp32 accumulator, cast into dQ afterwards) and hands them over; autograd keeps those very tensors as
-    the inputs' .grad (no copy)."""
+    the fp32 accumulator, cast into dQ afterwards), and with row statistics (fp32-accurate dots) each row's max
+    and inverse sum, and hands them over; autograd keeps those very tensors as the inputs' .grad (no copy)."""
     from cs336_systems.kernels.flash_attention import native_launch
 
     module = native_launch.load_module()
@@ -359,8 +359,8 @@ def test_native_node_allocates_and_addresses_like_the_python_path(accum):
     q, k, v = (torch.randn(2, 3, 40, 16, requires_grad=True) for _ in range(3))
     forward = _dry_spec("q", "k", "v", "out", "lse", 7)
     dq_slot = "dq_accum" if accum else "dq"
-    backward = _dry_spec("grad_out", "out", "lse", "delta", "dk", "dv", dq_slot)
-    module.register_plan(q, k, v, True, 1, [forward], [backward], accum, 1.0, 128, 16)
+    backward = _dry_spec("grad_out", "out", "lse", "delta", "dk", "dv", dq_slot, "row_max", "row_inv_sum")
+    module.register_plan(q, k, v, True, 1, [forward], [backward], accum, 1.0, 128, 16, row_stats)
     module.set_recording(True)
     try:
         out = module.attention(q, k, v, True, 1)
@@ -380,6 +380,11 @@ def test_native_node_allocates_and_addresses_like_the_python_path(accum):
     assert bwd[4:6] == [k.grad.data_ptr(), v.grad.data_ptr()]  # autograd kept dK and dV themselves
     if not accum:
         assert bwd[6] == q.grad.data_ptr()
+    row_buffers = bwd[7:9]
+    if row_stats:  # two fresh buffers of L's size, apart from every other tensor of the launch
+        assert 0 not in row_buffers and len(set(row_buffers) | set(bwd[:7])) == 9
+    else:
+        assert row_buffers == [0, 0]
     assert q.grad.shape == q.shape and q.grad.dtype == q.dtype
 
 

@@ -30,7 +30,9 @@
 namespace {
 
 // Tensor slots, in the order native_launch.SLOTS names them.
-enum Slot : int64_t { kQ, kK, kV, kOut, kLse, kGradOut, kDelta, kDk, kDv, kDq, kDqAccum, kNumSlots };
+enum Slot : int64_t {
+  kQ, kK, kV, kOut, kLse, kGradOut, kDelta, kDk, kDv, kDq, kDqAccum, kRowMax, kRowInvSum, kNumSlots
+};
 
 // Parameter kinds, in the order native_launch.ARG_KINDS names them.
 enum ArgKind : int64_t { kTensor, kNullPointer, kI1, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kF32, kF64 };
@@ -55,6 +57,7 @@ struct Plan {
   int64_t accum;  // where dQ goes: dq (two passes) or an fp32 accumulator (one pass)
   double accum_scale;  // applied to the tl accumulator; unused otherwise
   int64_t accum_rows, accum_cols;
+  bool row_stats;  // fp32-accurate dots: the row statistics pass writes each row's max and inverse sum too
 };
 
 // Driver entry points, looked up once in libcuda (nothing links against CUDA at build time).
@@ -262,6 +265,9 @@ struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNat
     addresses[kOut] = address(out), addresses[kLse] = address(lse), addresses[kGradOut] = address(grad_out);
     addresses[kDelta] = address(delta), addresses[kDk] = address(dk), addresses[kDv] = address(dv);
     addresses[kDq] = address(dq), addresses[kDqAccum] = address(dq_accum);
+    at::Tensor row_max, row_inv_sum;  // as buffers.backward_buffers makes them
+    if (plan.row_stats) row_max = at::empty_like(lse), row_inv_sum = at::empty_like(lse);
+    addresses[kRowMax] = address(row_max), addresses[kRowInvSum] = address(row_inv_sum);
     for (const Kernel& kernel : plan.backward) launch(kernel, addresses, q.device());
     if (plan.accum != kNoAccum) {  // (batch*heads, rows, cols) fp32 -> q's dims and dtype
       at::Tensor accum = dq_accum.narrow(1, 0, q.size(-2)).narrow(2, 0, q.size(-1));
@@ -304,12 +310,13 @@ std::vector<Kernel> kernels_from(const std::vector<KernelSpec>& specs) {
 
 void register_plan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, int64_t backward,
                    const std::vector<KernelSpec>& forward, const std::vector<KernelSpec>& backward_kernels,
-                   int64_t accum, double accum_scale, int64_t accum_rows, int64_t accum_cols) {
+                   int64_t accum, double accum_scale, int64_t accum_rows, int64_t accum_cols, bool row_stats) {
   TORCH_CHECK(accum >= kNoAccum && accum <= kTlAccum, "cs336 native attention: accum must be 0, 1 or 2, got ", accum);
   auto plan = std::make_unique<Plan>();
   plan->forward = kernels_from(forward);
   plan->backward = kernels_from(backward_kernels);
   plan->accum = accum, plan->accum_scale = accum_scale, plan->accum_rows = accum_rows, plan->accum_cols = accum_cols;
+  plan->row_stats = row_stats;
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry[signature(q, k, v, causal, backward)] = std::move(plan);
 }

@@ -32,7 +32,7 @@ from cs336_systems.kernels import launch_plan, native_build
 from cs336_systems.kernels.flash_attention import buffers, dispatch
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
-SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum")
+SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum", "row_max", "row_inv_sum")
 ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp32", "fp64")
 # Triton's scalar parameter types -> our kinds, as its launcher stores them (driver.py's ty_to_cpp: "u1", a
 # Python bool, is a uint8_t)
@@ -172,8 +172,6 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         return False
     if k.shape[-2] == 1:
         return False  # one key: the Python path zeroes dQ and dK exactly (`buffers.backward_result`)
-    if dispatch.exact_row_stats(q):
-        return False  # fp32-accurate dots: the C++ plans allocate no row statistics (`buffers.backward_buffers`)
     options = dispatch.BACKWARD_OPTIONS[backward]
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -194,7 +192,7 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     rows, cols = buffers.dq_accum_shape(q, accum) if accum is not None else (0, 0)
     scale = 1.0 / math.sqrt(q.shape[-1]) if accum == "tl" else 1.0  # as `buffers.backward_result` applies it
     module.register_plan(q, k, v, bool(is_causal), BACKWARD_CODES[backward], specs[0], specs[1],
-                         ACCUM_CODES[accum], scale, rows, cols)
+                         ACCUM_CODES[accum], scale, rows, cols, backward_plan.exact_rows)
     return True
 
 

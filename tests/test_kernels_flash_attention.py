@@ -496,14 +496,14 @@ def test_autotune_candidates_follow_the_dot_precision(head_dim, monkeypatch):
     from cs336_systems.kernels import _triton_utils
     from cs336_systems.kernels._triton_utils import config_tile as tile
     from cs336_systems.kernels._triton_utils import configs_from_families
-    from cs336_systems.kernels.flash_attention import backward, forward
+    from cs336_systems.kernels.flash_attention import backward, backward_tiles, forward
 
     monkeypatch.setenv("CS336_AUTOTUNE", "1")  # (the GPU stage runs with 0: one config per launch)
     monkeypatch.setattr(_triton_utils, "interpreting", lambda: False)  # the GPU's spaces, not the interpreter's
     passes = {"forward": (forward._prune_forward_configs, forward.TILE_FAMILIES),
-              "dkdv": (backward.flash_dkdv_kernel.early_config_prune, backward.DKDV_TILE_FAMILIES),
-              "fused": (backward.flash_bwd_fused_kernel.early_config_prune, backward.FUSED_TILE_FAMILIES),
-              "dq": (backward.flash_dq_kernel.early_config_prune, backward.DQ_TILE_FAMILIES)}
+              "dkdv": (backward.flash_dkdv_kernel.early_config_prune, backward_tiles.DKDV_TILE_FAMILIES),
+              "fused": (backward.flash_bwd_fused_kernel.early_config_prune, backward_tiles.FUSED_TILE_FAMILIES),
+              "dq": (backward.flash_dq_kernel.early_config_prune, backward_tiles.DQ_TILE_FAMILIES)}
     launches = {(torch.float32, "ieee"): "ieee", (torch.float32, "tf32x3"): "fp32-tensor-core",
                 (torch.float32, "tf32"): "fp32-tensor-core", (torch.bfloat16, "tf32"): "tensor-core"}
     for name, (prune, families) in passes.items():
@@ -534,19 +534,20 @@ def test_two_pass_backward_at_d256_tunes_over_the_wide_tiles(monkeypatch):
     from cs336_systems.kernels._triton_utils import config_tile as tile
     from cs336_systems.kernels._triton_utils import configs_from_families
     from cs336_systems.kernels.flash_attention import backward
+    from cs336_systems.kernels.flash_attention import backward_tiles as tiles_
 
     monkeypatch.setenv("CS336_AUTOTUNE", "1")
     monkeypatch.setattr(_triton_utils, "interpreting", lambda: False)
     named = {"Q": torch.empty(1, dtype=torch.bfloat16), "n_queries": 4096}
-    for kernel, families, wide in ((backward.flash_dkdv_kernel, backward.DKDV_TILE_FAMILIES, backward.DKDV_WIDE_TILES),
-                                   (backward.flash_dq_kernel, backward.DQ_TILE_FAMILIES, backward.DQ_WIDE_TILES)):
+    for kernel, families, wide in ((backward.flash_dkdv_kernel, tiles_.DKDV_TILE_FAMILIES, tiles_.DKDV_WIDE_TILES),
+                                   (backward.flash_dq_kernel, tiles_.DQ_TILE_FAMILIES, tiles_.DQ_WIDE_TILES)):
         configs = list(reversed(configs_from_families(families)))
         assert [tile(c) for c in kernel.early_config_prune(configs, named, BLOCK_D=256, PRECISION="tf32")] == list(wide)
         at_128 = [tile(c) for c in kernel.early_config_prune(configs, named, BLOCK_D=128, PRECISION="tf32")]
         assert at_128 and all(t in families["tensor-core"] for t in at_128)
     fused = [tile(c) for c in backward.flash_bwd_fused_kernel.early_config_prune(
-        list(reversed(configs_from_families(backward.FUSED_TILE_FAMILIES))), named, BLOCK_D=256, PRECISION="tf32")]
-    assert fused and all(t in backward.FUSED_TILE_FAMILIES["tensor-core"] and t[0] * t[1] <= 16 * 64 for t in fused)
+        list(reversed(configs_from_families(tiles_.FUSED_TILE_FAMILIES))), named, BLOCK_D=256, PRECISION="tf32")]
+    assert fused and all(t in tiles_.FUSED_TILE_FAMILIES["tensor-core"] and t[0] * t[1] <= 16 * 64 for t in fused)
 
 
 @pytest.mark.parametrize("kernel", ["dkdv", "dq"])

@@ -34,7 +34,6 @@ from cs336_systems.kernels.flash_attention import (
 from cs336_systems.kernels.flash_attention.backward import (
     DK_ONLY,
     DV_ONLY,
-    WIDE_HEAD_DIM,
     flash_bwd_fused_kernel,
     flash_dkdv_kernel,
     flash_dq_kernel,
@@ -42,6 +41,7 @@ from cs336_systems.kernels.flash_attention.backward import (
     flash_preprocess_kernel,
     flash_row_stats_kernel,
 )
+from cs336_systems.kernels.flash_attention.backward_tiles import WIDE_HEAD_DIM
 from cs336_systems.kernels.flash_attention.buffers import backward_buffers, backward_result, dq_buffer, forward_buffers
 from cs336_systems.kernels.flash_attention.forward import LOG2E, flash_forward_kernel
 from cs336_systems.kernels.flash_attention.launches import (

@@ -11,13 +11,13 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from cs336_systems.kernels.flash_attention import dispatch, native_launch
-from cs336_systems.kernels.flash_attention.backward import compiled_backward
 from cs336_systems.kernels.flash_attention.precision import (
     checked,
     dot_precision,
     fp32_dot_precision,
     fp32_dot_precision_override,
 )
+from cs336_systems.kernels.flash_attention.reference import compiled_backward
 
 
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())

@@ -198,3 +198,31 @@ class FlashAttentionPytorch(torch.autograd.Function):
         lse, q, k, v, out = ctx.saved_tensors
         tiles = FlashAttentionPytorch.Q_TILE, FlashAttentionPytorch.K_TILE
         return *flash_backward_tiled(q, k, v, out, lse, grad_out, ctx.is_causal, *tiles), None
+
+
+def _compiled_backward_math(q, k, v, out, lse, grad_out, is_causal: bool):
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qf, kf, vf, dof = q.float(), k.float(), v.float(), grad_out.float()
+    s = qf @ kf.transpose(-1, -2) * scale
+    if is_causal:
+        s = s + torch.where(causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0, MASK_VALUE)
+    p = torch.exp(s - lse[..., None])
+    delta = (out.float() * dof).sum(-1, keepdim=True)
+    dv = p.transpose(-1, -2) @ dof
+    ds = p * (dof @ vf.transpose(-1, -2) - delta)
+    dq = ds @ kf * scale
+    dk = ds.transpose(-1, -2) @ qf * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+_compiled = None
+
+
+def compiled_backward(q, k, v, out, lse, grad_out, is_causal: bool):
+    """The backward maths in PyTorch under torch.compile, the first version the handout asks for (compiled once per
+    shape, causal flag and dtype): whole (n_queries x n_keys) tiles, so P is materialised per call. A correctness
+    and speed baseline, not a memory-saving path."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_compiled_backward_math, dynamic=False)
+    return _compiled(q, k, v, out, lse, grad_out, is_causal)

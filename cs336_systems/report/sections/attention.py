@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.kernels.flash_attention.backward import WIDE_HEAD_DIM
+from cs336_systems.kernels.flash_attention.backward_tiles import WIDE_HEAD_DIM
 from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest, shared_value, span

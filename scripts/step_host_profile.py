@@ -10,6 +10,14 @@ as a difference of step times.
 
     python scripts/step_host_profile.py --preset small --context 512 --compile off,on --out DIR
     python scripts/step_host_profile.py --variants ours,baseline --steps 20
+
+Without a GPU, `--stub-kernels` times the same Python on the CPU: our kernels' launches do nothing and our operators
+take their CUDA path on CPU tensors (`operator_host_overhead.stub_launches`), so a step is the host work that sits
+between kernels on a GPU, plus torch's own ops on small CPU tensors (both providers: pick a small --d-model so their
+maths is negligible).
+
+    python scripts/step_host_profile.py --device cpu --stub-kernels --compile off --dtype fp32 --d-model 64 \
+        --vocab-size 256 --context 32 --batch 1
 """
 
 from __future__ import annotations
@@ -17,9 +25,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import io
+import math
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="functions listed per table (default 30)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the script itself")
     parser.add_argument("--out", type=Path, default=None, help="folder for one text file per configuration")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="CPU only: our launches do nothing and our operators take their CUDA path (see above)")
+    parser.add_argument("--d-model", type=int, default=None, help="override the preset's d_model (d_ff: 8/3 of it, "
+                        "a multiple of 64; heads: the preset's, or fewer where d_model needs)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="autocast dtype (default bf16; fp32 on the CPU: its bf16 matmuls are slow)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     for name in variants:
@@ -76,20 +94,39 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "context", "batch", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        parser.error(f"--vocab-size must be >= 2, got {args.vocab_size}")
+    if args.d_model is not None and (args.d_model < 16 or args.d_model % 16):
+        parser.error(f"--d-model must be a positive multiple of 16, got {args.d_model}")
+    if args.stub_kernels and (args.device != "cpu" or compiles != ["off"]):
+        parser.error(f"--stub-kernels: runs with --device cpu --compile off only (got --device {args.device}, "
+                     f"--compile {args.compile})")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU here (this measures host time between CUDA kernels)")
     cfg = ModelConfig.from_name(args.preset, context_length=args.context)
-    print(f"{args.preset}/{args.context}, batch {args.batch}, bf16 autocast, train step; "
-          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
+    if args.d_model is not None:
+        heads = math.gcd(cfg.num_heads, args.d_model // 2)  # (head dim even, for RoPE)
+        cfg = dataclasses.replace(cfg, d_model=args.d_model, num_heads=heads,
+                                  d_ff=max(64, round(args.d_model * 8 / 3 / 64) * 64))
+    if args.vocab_size is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
+    if args.stub_kernels:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from operator_host_overhead import stub_launches
+
+        stub_launches()
+    print(f"{args.preset}/{args.context} (d_model {cfg.d_model}, {cfg.num_layers} layers), batch {args.batch}, "
+          f"{args.dtype} autocast, train step; {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+          f"{', kernels stubbed' if args.stub_kernels else ''}, torch {torch.__version__}")
     print(f"{'variant':<24} {'compile':<16} {'median ms':>10} {'min ms':>8} {'max ms':>8}")
     for compile_choice in compiles:
         for name in variants:
             provider, attention, fused, optimizer = VARIANTS[name]
             compiled = compile_choice != "off"
-            case = ModelCase(args.preset, args.context, args.batch, "bf16", compiled, provider, attention,
+            case = ModelCase(args.preset, args.context, args.batch, args.dtype, compiled, provider, attention,
                              fused=fused, optimizer=optimizer, compile_scope="block" if compiled else "-",
                              compile_mode=("default" if compile_choice == "on" else compile_choice)
                              if compiled else "-")

@@ -265,16 +265,25 @@ def test_step_host_profile_script_runs(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "step_host_profile.py"
     # Our operators' CPU maths, as a user without a GPU runs them (the interpreter refuses bf16 autocast's inputs).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--preset", "tiny", "--context", "16",
-                           "--compile", "off", "--steps", "1", "--variants", "ours,baseline", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("ours ", "baseline "))]
-    assert [row[:2] for row in rows] == [["ours", "off"], ["baseline", "off"]] and all(float(r[2]) > 0 for r in rows)
-    for name in ("ours", "baseline"):
-        text = (tmp_path / f"host_{name}_off.txt").read_text()
-        assert "Ordered by: internal time" in text and "CPU self time per op" in text
-    for bad, option in ((["--steps", "0"], "--steps"), (["--variants", "mine"], "--variants")):
+    for stub in ([], ["--stub-kernels", "--dtype", "fp32", "--d-model", "32", "--vocab-size", "64"]):
+        # (stubbed: our operators' CUDA path, launches doing nothing, our attention replaced by its outputs)
+        done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--preset", "tiny", "--context", "16",
+                               "--compile", "off", "--steps", "1", "--variants", "ours,baseline", "--out",
+                               str(tmp_path), *stub], capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("kernels stubbed" in done.stdout) == bool(stub)
+        rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("ours ", "baseline "))]
+        assert [row[:2] for row in rows] == [["ours", "off"], ["baseline", "off"]]
+        assert all(float(r[2]) > 0 for r in rows)
+        for name in ("ours", "baseline"):
+            text = (tmp_path / f"host_{name}_off.txt").read_text()
+            assert "Ordered by: internal time" in text and "CPU self time per op" in text
+        if stub:  # our operators took their CUDA path (their autograd Functions), and our attention the stub
+            ours = (tmp_path / "host_ours_off.txt").read_text()
+            assert "RMSNormFunction" in ours and "_NoAttention" in ours
+    for bad, option in ((["--steps", "0"], "--steps"), (["--variants", "mine"], "--variants"),
+                        (["--stub-kernels", "--compile", "on"], "--stub-kernels"),
+                        (["--d-model", "30"], "--d-model")):
         refused = subprocess.run([sys.executable, str(script), "--device", "cpu", *bad], capture_output=True,
                                  text=True, timeout=300)
         assert refused.returncode == 2 and option in refused.stderr

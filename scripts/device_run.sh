@@ -48,14 +48,17 @@ run_stage() {
       # What the 2026-12-05 third session changed without a GPU: the Gluon backward kernels' nested stride tuples
       # (PTX identical on CPU, through Triton's own binder), launch plans for the small kernels (a replay must equal
       # the normal launch bit for bit), RoPE's positions check and the fused model's cached positions, the launch
-      # buffers' module; then the PyTorch FA2 class's fp32 D from P dP (its GPU fuzz at 2x). The log comes back whole.
+      # buffers' module; the fourth session's fp32 row statistics pass (its native plans too); then the fp32 GPU fuzz
+      # at 2x of both FA2 classes (the PyTorch one's D from P dP, the Triton one's row statistics) and the Triton
+      # one's 16-bit cases. The log comes back whole.
       CS336_AUTOTUNE=0 timeout 420 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
         tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_adapters_attention.py \
         tests/test_recipe.py > "$OUT/tests_host.log" 2>&1
       tail -20 "$OUT/tests_host.log"
-      CS336_AUTOTUNE=0 timeout 120 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_kernels_flash_fuzz.py \
-        -k pytorch_flash_fuzz_gpu 2>&1 | tail -4
+      CS336_AUTOTUNE=0 timeout 240 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider tests/test_kernels_flash_fuzz.py \
+        -k "flash_fuzz_gpu" > "$OUT/tests_fuzz.log" 2>&1
+      tail -12 "$OUT/tests_fuzz.log"
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

@@ -4,8 +4,8 @@ With P = exp(S - L) recomputed from the saved row log-sum-exp L and D = rowsum(O
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - D),   dQ = dS K * scale,   dK = dS^T Q * scale.
 
 * `preprocess`: D, one program per (query tile, batch x head). fp32 with fp32-accurate dots ("ieee", "tf32x3")
-  runs `flash_row_stats_kernel` instead: each row's max m and inverse sum 1 / l, and D = rowsum(P dP), from
-  which the passes recompute P = exp2(s - m) / l (its docstring says why).
+  runs `flash_row_stats_kernel` instead: each row's max m and inverse sum 1 / l, and D = rowsum(P dP), with which
+  the passes recompute P = exp2(s - m) / l (its docstring says why).
 * dK/dV pass: one program per key tile walks the query tiles that see it (causal: from the
   diagonal down), accumulating dK and dV in fp32 registers; it works on transposed tiles
   (S^T = K Q^T) so every product is a plain tl.dot.
@@ -104,13 +104,14 @@ def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_s
                            n_heads, n_queries, n_keys, head_dim, qk_scale, n_queries_bucket, n_keys_bucket,
                            IS_CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The fp32-accurate backward's row statistics (PRECISION "ieee" or "tf32x3"), one query tile per program:
-    a sweep over the keys for the row max m of the log2-domain scores and the row sum l of exp2(s - m), then a
-    second for D = rowsum(P * dP) with P = exp2(s - m) / l, as PyTorch's softmax backward forms D. The passes then
-    recompute P from (m, 1 / l) instead of from L = (m + log2 l) / log2(e), whose rounding grows with |L| (a
-    few fp32 units of P where PyTorch's own softmax is within one or two), and D from P dP instead of O dO. This
-    is what holds fp32 to 2x PyTorch's own error (`tests/test_kernels_flash_fuzz.py`); it costs the fp32
-    backward three more products per tile pair (S twice, dP once), and 16-bit inputs never run it."""
+    """The fp32-accurate backward's row statistics (PRECISION "ieee" or "tf32x3"), one query tile per program, in
+    one sweep over the keys: the row max m of the log2-domain scores, the row sum l of exp2(s - m) and
+    D = rowsum(P * dP) with P = exp2(s - m) / l, as PyTorch's softmax backward forms D (its sum rescaled online as
+    l is; a second sweep with the final m and l, tried, was no closer to fp64 over the fuzz's 200 shapes). The
+    passes then recompute P from (m, 1 / l) instead of from L = (m + log2 l) / log2(e), whose rounding grows with
+    |L| (a few fp32 units of P where PyTorch's own softmax is within one or two), and use this D instead of
+    rowsum(O * dO). This is what holds fp32 to 2x PyTorch's own error (`tests/test_kernels_flash_fuzz.py`); it
+    costs the fp32 backward two more products per tile pair (S and dP), and 16-bit inputs never run it."""
     query_tile, batch_head, b, h = tiles.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     m0 = query_tile * BLOCK_M
     q = tl.load(tiles.head_tile(Q, b, h, q_strides, n_queries, head_dim, m0, BLOCK_M, BLOCK_D),
@@ -125,20 +126,19 @@ def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_s
     keys_end = tl.minimum(m0 + BLOCK_M, n_keys) if IS_CAUSAL else n_keys  # (key 0 is in every row: m is finite)
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for tile_start in range(0, keys_end, BLOCK_N):
-        kT = tl.load(tl.advance(kT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
-        s = _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL, BLOCK_N, PRECISION)
-        new_max = tl.maximum(row_max, tl.max(s, 1))
-        row_sum = row_sum * tl.math.exp2(row_max - new_max) + tl.sum(tl.math.exp2(s - new_max[:, None]), 1)
-        row_max = new_max
-    inv_sum = 1.0 / row_sum
-    delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    weighted = tl.zeros((BLOCK_M,), dtype=tl.float32)  # rowsum(exp2(s - m) * dP), rescaled as row_sum is
     for tile_start in range(0, keys_end, BLOCK_N):
         kT = tl.load(tl.advance(kT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
         vT = tl.load(tl.advance(vT_tiles, (0, tile_start)), boundary_check=(0, 1), padding_option="zero")
         s = _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL, BLOCK_N, PRECISION)
-        p = tl.math.exp2(s - row_max[:, None]) * inv_sum[:, None]
-        delta += tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
+        new_max = tl.maximum(row_max, tl.max(s, 1))
+        alpha = tl.math.exp2(row_max - new_max)
+        p = tl.math.exp2(s - new_max[:, None])
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        weighted = weighted * alpha + tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
+        row_max = new_max
+    inv_sum = 1.0 / row_sum
+    delta = weighted * inv_sum
     rows = batch_head.to(tl.int64) * n_queries + offs_m
     in_range = offs_m < n_queries
     tl.store(RowMax + rows, row_max, mask=in_range)

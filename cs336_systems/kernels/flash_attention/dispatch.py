@@ -180,7 +180,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 def exact_row_stats(q: torch.Tensor) -> bool:
     """Whether the backward recomputes P from its own row statistics (`backward.flash_row_stats_kernel`): fp32 with
-    fp32-accurate dots ("ieee", "tf32x3"), held to 2x PyTorch's own error; 16-bit and "tf32" recompute P from L."""
+    fp32-accurate dots ("ieee", "tf32x3"), whose error budget L's rounding exceeded; 16-bit and "tf32" use L."""
     return dot_precision(q.dtype) != "tf32"
 
 
@@ -354,7 +354,7 @@ def flash_backward(q, k, v, out, lse, grad_out, is_causal: bool, options: Backwa
     tensors = dict(q=q, k=k, v=v, out=out, lse=lse, grad_out=grad_out) | buffers
     captured = [launch_plan.capture(*launch.launch_for_plan(), tensors) for launch in launches]
     if all(c is not None for c in captured):
-        launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator, exact_row_stats(q)))
+        launch_plan.store(key, _BackwardPlan(tuple(captured), choice.accumulator, "row_max" in buffers))
     return backward_result(q, buffers, choice.accumulator)
 
 

@@ -50,19 +50,22 @@ run_stage() {
       # the normal launch bit for bit), RoPE's positions check and the fused model's cached positions, the launch
       # buffers' module; the fourth session's fp32 row statistics pass (its native plans too). The log comes back
       # whole. The GPU fuzz (both FA2 classes, every dtype at 2x) is stage tests-fuzz.
-      CS336_AUTOTUNE=0 timeout 420 python3 -m pytest -q -n 8 -rfE -p no:cacheprovider \
+      # -v: each result is a line as it comes, so a run stopped at its time limit still names what failed.
+      CS336_AUTOTUNE=0 timeout "${TESTS_HOST_TIMEOUT:-420}" python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
         tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_adapters_attention.py \
         tests/test_recipe.py > "$OUT/tests_host.log" 2>&1
-      tail -20 "$OUT/tests_host.log"
+      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_host.log" | head -20
+      tail -4 "$OUT/tests_host.log"
       ;;
     tests-fuzz)
       # The numerical fuzz on the GPU: 200 shapes x fp32/bf16/fp16 x both FA2 classes, each within 2x PyTorch's own
       # error (the Triton kernels' fp32 through the row statistics pass since the fourth 2026-12-05 session; 3 min 40 s
       # with -n 16 at 4a2f69e3, CPU cases included).
-      CS336_AUTOTUNE=0 timeout 480 python3 -m pytest -q -n 16 -rfE -p no:cacheprovider tests/test_kernels_flash_fuzz.py \
-        -k "flash_fuzz_gpu" > "$OUT/tests_fuzz.log" 2>&1
-      tail -12 "$OUT/tests_fuzz.log"
+      CS336_AUTOTUNE=0 timeout "${TESTS_FUZZ_TIMEOUT:-480}" python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+        tests/test_kernels_flash_fuzz.py -k "flash_fuzz_gpu" > "$OUT/tests_fuzz.log" 2>&1
+      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_fuzz.log" | head -20
+      tail -4 "$OUT/tests_fuzz.log"
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{max(times):>8.2f}")
             text = io.StringIO()
             stats = pstats.Stats(profiler, stream=text)
-            text.write(f"# {name}, compile {compile_choice}: {args.steps} profiled steps; times are per "
-                       f"{args.steps} steps\n")
+            text.write(f"# {name}, compile {compile_choice}: unprofiled step median {statistics.median(times):.2f} ms "
+                       f"(min {min(times):.2f}, max {max(times):.2f}) over {args.steps} steps\n"
+                       f"# {args.steps} profiled steps; times below are per {args.steps} steps\n")
             stats.sort_stats("tottime").print_stats(args.top)
             stats.sort_stats("cumulative").print_stats(args.top)
             text.write(f"\n# torch.profiler, CPU self time per op over {args.steps} steps\n")

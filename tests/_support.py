@@ -43,10 +43,16 @@ def assert_within_budget(name: str, out: torch.Tensor, ref: torch.Tensor, torch_
     low precision (Tri Dao's test idiom), plus `factor` rounding units of the output dtype at the reference's
     scale (machine epsilon x max(1, |ref|)): where PyTorch lands within an ulp (or a gradient is exactly zero),
     `factor` x its error is no budget at all."""
+    ours, budget = error_and_budget(out, ref, torch_low_precision, factor)
+    assert ours <= budget, f"{name}: max error {ours:.3e} > budget {budget:.3e} ({ours / budget:.2f}x)"
+
+
+def error_and_budget(out: torch.Tensor, ref: torch.Tensor, torch_low_precision: torch.Tensor,
+                     factor: float = 2.0) -> tuple[float, float]:
+    """(our max error against `ref`, the budget `assert_within_budget` holds it to)."""
     ours = max_abs_error(out, ref)
     floor = factor * torch.finfo(out.dtype).eps * max(1.0, ref.double().abs().max().item())
-    budget = factor * max_abs_error(torch_low_precision, ref) + floor
-    assert ours <= budget, f"{name}: max error {ours:.3e} > budget {budget:.3e}"
+    return ours, factor * max_abs_error(torch_low_precision, ref) + floor
 
 
 def _in_triton_interpreter() -> bool:

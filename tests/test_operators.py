@@ -270,8 +270,8 @@ def test_step_host_profile_script_runs(tmp_path):
     for stub in ([], ["--stub-kernels", "--dtype", "fp32", "--d-model", "32", "--vocab-size", "64"]):
         # (stubbed: our operators' CUDA path, launches doing nothing, our attention replaced by its outputs)
         done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--preset", "tiny", "--context", "16",
-                               "--compile", "off", "--steps", "1", "--variants", "ours,baseline", "--top", "1000", "--out",
-                               str(tmp_path), *stub], capture_output=True, text=True, timeout=600, env=env)
+                               "--compile", "off", "--steps", "1", "--variants", "ours,baseline", "--top", "1000",
+                               "--out", str(tmp_path), *stub], capture_output=True, text=True, timeout=600, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         assert ("kernels stubbed" in done.stdout) == bool(stub)
         rows = [line.split() for line in done.stdout.splitlines() if line.startswith(("ours ", "baseline "))]

@@ -131,11 +131,15 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self.output_proj = Linear(num_heads * self.d_v, d_model)
         self.positional_encoder = positional_encoder
 
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The input projections (Q, K, V), each (..., seq, heads * d) (a fused model may make them one product)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., seq, d_model) -> (..., seq, d_model)."""
         seq = x.shape[-2]
-        Q, K, V = (rearrange(proj(x), "... seq (heads d) -> ... heads seq d", heads=self.num_heads)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        Q, K, V = (rearrange(t, "... seq (heads d) -> ... heads seq d", heads=self.num_heads)
+                   for t in self.project_qkv(x))
         if self.positional_encoder is not None:
             if token_positions is None:
                 token_positions = torch.arange(seq, device=x.device)

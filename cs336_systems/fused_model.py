@@ -8,11 +8,16 @@ in every layer and step, and RoPE's on-device range check (four small kernels) r
 tensor is checked once (`kernels.rope._check_positions`). Every `Linear` runs
 as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in the
 weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight
-gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). Parameters, names and the
-state dict are untouched, and the function computed is the same up to rounding (both keep the
+gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). With `merge_qkv` (the
+default) each attention's Q, K and V projections are one product (`merged_projection`), as PyTorch's own
+Transformers hold one Wqkv: their three weights are moved, once, into one buffer (each stays its own Parameter, a
+row block of it), so the product reads them as one (3 d, d) matrix without a copy; a small model's step is
+host-bound, and this is 14 kernels fewer per block and step (two products and four autocast casts in the forward;
+four products, three casts and two adds of the input's gradient in the backward, for one concatenation). Parameter
+names and the state dict are untouched, and the function computed is the same up to rounding (both keep the
 norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
-compose with it. Apply it before `apply_checkpointing`: the ffn/attn policies wrap the
-forward a part has at that moment.
+compose with it. Apply it before `apply_checkpointing` (the ffn/attn policies wrap the
+forward a part has at that moment) and before making the optimizer (which must see the parameters' final storage).
 
 Attention is chosen separately (`cs336_systems.attention.use_attention`); the LM head and loss
 by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
@@ -26,6 +31,7 @@ import types
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_systems.kernels.rmsnorm import rmsnorm
@@ -47,6 +53,80 @@ def _linear_forward(self, x):
     return F.linear(x, self.weight)
 
 
+def _consecutive_rows(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The weights as one (sum of rows, d_in) matrix, a view, where each starts where the one before ends in one
+    storage (as `_make_consecutive` leaves them); else None."""
+    first = weights[0]
+    if isinstance(first, FakeTensor) or first.device.type == "meta" or not all(
+            w.dim() == 2 and w.is_contiguous() and w.shape[1] == first.shape[1] and w.dtype == first.dtype
+            and w.device == first.device for w in weights):
+        return None
+    address = first.data_ptr()
+    for w in weights:
+        if w.data_ptr() != address or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        address += w.numel() * w.element_size()
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+
+
+class MergedProjection(torch.autograd.Function):
+    """x W_i^T for several weights W_i in one product, returned as one output per weight (column blocks of the
+    product). Under autocast, the input and the merged weight are cast once, as `F.linear` would cast each.
+
+    A column block is a view: while any of them lives, the whole product does. With `copy_last` the last output is a
+    copy of its own, so an attention that saves V for its backward keeps V alone, not Q's and K's columns beside it
+    (RoPE reads Q and K and keeps neither: the product is freed after it)."""
+
+    @staticmethod
+    def forward(ctx, x, copy_last, *weights):
+        weight = _consecutive_rows(weights)
+        if weight is None:  # (the weights were moved apart, e.g. by `.to()` after `apply_fused_kernels`: a copy)
+            weight = torch.cat(weights)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x, weight = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.rows = [w.shape[0] for w in weights]
+        ctx.weight_dtype = weights[0].dtype
+        outputs = F.linear(x, weight).split(ctx.rows, dim=-1)
+        return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        # One gradient of the whole product (what PyTorch's split backward forms too), so each of dx and dW is one
+        # product; an output nobody used has no gradient (None): zeros there.
+        grad = torch.cat([g.to(weight.dtype) if g is not None else x.new_zeros(*x.shape[:-1], rows, dtype=weight.dtype)
+                          for g, rows in zip(grads, ctx.rows)], dim=-1)
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[2:]):
+            return grad_x, None, *(None for _ in ctx.rows)
+        grad_weight = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
+        return grad_x, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
+
+
+def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool = False) -> tuple[torch.Tensor, ...]:
+    """(x W_1^T, x W_2^T, ...) as one product (`MergedProjection`); each W_i (d_out_i, d_in). The outputs are views
+    of the product, but for the last with `copy_last`."""
+    return MergedProjection.apply(x, copy_last, *weights)
+
+
+def _make_consecutive(params: list[nn.Parameter]) -> None:
+    """Move the parameters' data, once, into one new buffer in this order (each a row block of it), so
+    `_consecutive_rows` finds them as one matrix."""
+    buffer = torch.cat([p.detach() for p in params])
+    for p, rows in zip(params, buffer.split([p.shape[0] for p in params])):
+        p.data = rows
+
+
+def _merged_project_qkv(self, x):
+    # Not while compiling (inductor plans the products itself; the address check cannot be traced) nor without RoPE
+    # (the attention would then save Q's and K's views, and with them the whole product, for its backward).
+    if torch.compiler.is_compiling() or self.positional_encoder is None:
+        return CausalMultiHeadSelfAttention.project_qkv(self, x)
+    return merged_projection(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, copy_last=True)
+
+
 def _fused_rope_forward(self, x, pos_ids):
     return fused_rope(x, pos_ids, self._freq_cis_cache)
 
@@ -63,11 +143,15 @@ def _attention_with_cached_positions(self, x, token_positions=None):
     return CausalMultiHeadSelfAttention.forward(self, x, token_positions)
 
 
-def apply_fused_kernels(model: nn.Module, *, rope: bool = False) -> nn.Module:
+def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_qkv: bool = True) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
-    `model`, and the layout-keeping product on every Linear; returns `model`."""
+    `model`, the layout-keeping product on every Linear, and (`merge_qkv`) one Q/K/V product per attention;
+    returns `model`."""
     patched = 0
     for module in model.modules():
+        if merge_qkv and isinstance(module, CausalMultiHeadSelfAttention):
+            _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
+            module.project_qkv = types.MethodType(_merged_project_qkv, module)
         if rope and isinstance(module, RotaryEmbedding):
             module.forward = types.MethodType(_fused_rope_forward, module)
             continue

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session5, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -66,6 +66,29 @@ run_stage() {
         tests/test_kernels_flash_fuzz.py -k "flash_fuzz_gpu" > "$OUT/tests_fuzz.log" 2>&1
       grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_fuzz.log" | head -20
       tail -4 "$OUT/tests_fuzz.log"
+      ;;
+    session5)
+      # The fifth 2026-12-05 session's GPU call (~6 min): (1) its tests: the merged Q/K/V product and RoPE's
+      # dim-order output (tests/test_kernels_rmsnorm_swiglu.py), the host profile's test, the fuzz's ratio script,
+      # and the Triton kernels' fp32 fuzz at 2x (one case, 8, failed in tests-fuzz; the run stopped at its limit with
+      # 9 fp16 cases left, run here too); (2) case 8's ratios by precision and launcher; (3) where a small step's host
+      # time goes with and without the merged product; (4) ours against the baseline at every size, eager, ctx 512.
+      CS336_AUTOTUNE=0 timeout 210 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+        tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_kernels_flash_fuzz.py \
+        -k "(triton_flash_fuzz_gpu and (fp32 or fp16-162 or fp16-183 or fp16-186 or fp16-187 or fp16-188 or fp16-190 \
+or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz" > "$OUT/tests_session5.log" 2>&1
+      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session5.log" | head -20
+      grep -E "^E .*(budget|Error)" "$OUT/tests_session5.log" | head -10
+      tail -3 "$OUT/tests_session5.log"
+      for launcher in python native; do
+        timeout 60 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee,tf32x3 \
+          --launcher $launcher 2>&1 | tail -14
+      done
+      timeout 90 python3 scripts/step_host_profile.py --preset small --context 512 --compile off --steps 20 \
+        --variants baseline,ours,ours-separate-qkv --out "$R/host_profile" 2>&1 | tail -5
+      timeout 170 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
+        --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -12
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import functools
 import io
 import math
 import pstats
@@ -45,8 +46,23 @@ VARIANTS = {
     "ours": ("ours", "triton", True, "fused"),
     "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
+    "ours-separate-qkv": ("ours", "triton", True, "fused"),  # (built with apply_fused_kernels(merge_qkv=False))
     "plain": ("ours", "reference", False, "cs336"),
 }
+
+
+@contextlib.contextmanager
+def _separate_qkv(separate: bool):
+    """Within it, models built by the recipe keep three Q/K/V products (`apply_fused_kernels(merge_qkv=False)`)."""
+    import cs336_systems.fused_model as fused_model
+
+    apply = fused_model.apply_fused_kernels
+    if separate:
+        fused_model.apply_fused_kernels = functools.partial(apply, merge_qkv=False)
+    try:
+        yield
+    finally:
+        fused_model.apply_fused_kernels = apply
 
 
 def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
@@ -129,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                              compile_mode=("default" if compile_choice == "on" else compile_choice)
                              if compiled else "-")
             try:
-                harness = _Harness(case, cfg, device)
+                with _separate_qkv(name == "ours-separate-qkv"):
+                    harness = _Harness(case, cfg, device)
                 with harness.attention_context():
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
                     _steps_ms(step, 5, device)  # warm-up (and compilation)

@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from cs336_basics.model import RMSNorm
 from cs336_systems.attention import use_attention
@@ -122,6 +123,91 @@ def test_fused_model_computes_the_same_function(rope):
     for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert set(fused.state_dict()) == set(plain.state_dict())
+
+
+class _ProductCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (aten mm / addmm / bmm) dispatched inside it."""
+
+    def __enter__(self):
+        self.products = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.products += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _fused_pair(merge_qkv: bool, num_layers: int = 2):
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=num_layers, context_length=24)
+    torch.manual_seed(0)
+    model = apply_fused_kernels(cfg.build(device=device), merge_qkv=merge_qkv)
+    return model, torch.randint(0, cfg.vocab_size, (2, 24), device=device)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_merged_qkv_is_one_product_per_block_and_computes_the_same_function(autocast):
+    """`merge_qkv` (the default): each block's Q, K, V projections are one product in the forward and one each for
+    the input's and the weights' gradients in the backward (2 + 4 products fewer per block), the three weights are
+    row blocks of one storage and stay their own Parameters (names and state dict unchanged), and the model computes
+    what the unmerged one does, in fp32 and under bf16 autocast (its casts now once per block, not per projection)."""
+    results = {}
+    for merge in (False, True):
+        model, tokens = _fused_pair(merge)
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast), _ProductCounter() as count:
+            out = model(tokens)
+            forward_products = count.products
+            out.float().square().mean().backward()
+        results[merge] = (out.float(), {n: p.grad for n, p in model.named_parameters()}, forward_products,
+                          count.products - forward_products, model)
+    (out_plain, grads_plain, fwd_plain, bwd_plain, _), (out, grads, fwd, bwd, model) = results[False], results[True]
+    layers = len(model.layers)
+    assert (fwd_plain - fwd, bwd_plain - bwd) == (2 * layers, 4 * layers)
+    tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, out_plain, **tolerance)
+    assert grads.keys() == grads_plain.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_plain[name], **tolerance, msg=name)
+    attn = model.layers[0].attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert all(isinstance(w, torch.nn.Parameter) for w in (q, k, v))
+    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+
+
+def test_merged_qkv_saves_less_under_autocast_and_no_more_without():
+    """The merged product saves one cast of the block's input where the three projections saved one each under
+    autocast, and V is a copy of its own, so the attention's saved V keeps no Q and K columns alive."""
+    from cs336_systems.memory.saved_tensors import SavedTensorLog
+
+    saved = {}
+    for merge in (False, True):
+        for autocast in (False, True):
+            model, tokens = _fused_pair(merge)
+            with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast), \
+                    SavedTensorLog(model) as log:
+                model(tokens)
+            saved[merge, autocast] = log.total_bytes
+    assert saved[True, False] == saved[False, False]
+    assert saved[True, True] < saved[False, True]
+
+
+def test_merged_qkv_falls_back_to_a_copy_where_the_weights_moved_apart():
+    """Where a weight got storage of its own after `apply_fused_kernels` (as `.to()` gives every parameter) the merged
+    product concatenates the weights instead: the same results."""
+    from cs336_systems.fused_model import _consecutive_rows
+
+    merged, tokens = _fused_pair(True)
+    plain, _ = _fused_pair(False)
+    attn = merged.layers[0].attn
+    attn.k_proj.weight.data = attn.k_proj.weight.detach().clone()
+    assert _consecutive_rows((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)) is None
+    torch.testing.assert_close(merged(tokens), plain(tokens))
+    merged(tokens).square().mean().backward()
+    plain(tokens).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), merged.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
 def test_fused_model_checks_its_positions_once_and_makes_no_arange_per_layer(monkeypatch):

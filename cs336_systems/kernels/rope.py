@@ -91,11 +91,15 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _output_like(x: torch.Tensor) -> torch.Tensor:
-    """The output buffer: x's layout when x is dense with a unit stride along dim (the model's strided head view:
-    attention then reads the same view, and gradients flow back without copies), else contiguous."""
+    """The output buffer: dense, in x's order of dims (the model's head view (batch, heads, seq, dim) of a
+    (batch, seq, heads * dim) product: attention then reads the same layout, and gradients flow back without copies),
+    also where x has gaps (a column block of a merged Q/K/V product, `fused_model.merged_projection`); contiguous
+    where x has no unit stride along dim."""
     if x.stride(-1) != 1 or x.dim() > 4:  # beyond 4-D the (batch, heads) merge must be a view of out too
         return torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    return torch.empty_like(x)
+    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))  # outermost first (empty_like's, for dense x)
+    out = torch.empty([x.shape[i] for i in order], device=x.device, dtype=x.dtype)
+    return out.permute(sorted(range(x.dim()), key=order.__getitem__))
 
 
 def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:

@@ -1,23 +1,28 @@
 """Our fused kernels installed on a built BasicsTransformerLM, from outside.
 
-`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and
-of every `SwiGLU` to `w2(silu_mul(w1 x, w3 x))` with the fused gate; with `rope=True` also every
-`RotaryEmbedding` to the fused RoPE (the leaderboard's default with its fused kernels), and every attention
-module then takes its token positions from one cached `arange` per length and device: the model made a new one
-in every layer and step, and RoPE's on-device range check (four small kernels) ran for each, where one cached
-tensor is checked once (`kernels.rope._check_positions`). Every `Linear` runs
-as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in the
-weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight
-gradient of every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md). With `merge_qkv` (the
-default) each attention's Q, K and V projections are one product (`merged_projection`), as PyTorch's own
-Transformers hold one Wqkv: their three weights are moved, once, into one buffer (each stays its own Parameter, a
-row block of it), so the product reads them as one (3 d, d) matrix without a copy; a small model's step is
-host-bound, and this is 14 kernels fewer per block and step (two products and four autocast casts in the forward;
-four products, three casts and two adds of the input's gradient in the backward, for one concatenation). Parameter
-names and the state dict are untouched, and the function computed is the same up to rounding (both keep the
-norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP
-compose with it. Apply it before `apply_checkpointing` (the ffn/attn policies wrap the
-forward a part has at that moment) and before making the optimizer (which must see the parameters' final storage).
+`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and of every `SwiGLU`
+to `w2(gate(w1 x, w3 x))` with the fused gate; with `rope=True` also every `RotaryEmbedding` to the fused RoPE (the
+leaderboard's default with its fused kernels), and every attention module then takes its token positions from one
+cached `arange` per length and device: the model made a new one in every layer and step, and RoPE's on-device range
+check (four small kernels) ran for each, where one cached tensor is checked once (`kernels.rope._check_positions`).
+
+Every `Linear` runs as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in
+the weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight gradient of
+every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md).
+
+With `merge_projections` (the default) each attention's Q, K and V projections are one product
+(`merged_projection`), as PyTorch's own Transformers hold one Wqkv, and each SwiGLU's w1 and w3 are one product
+whose output the gate reads as two halves (`merged_product`, `kernels.swiglu.silu_mul_packed`). The weights are
+moved, once, into one buffer per group (each stays its own Parameter, a row block of it), so the product reads them
+as one matrix without a copy. A small model's step is host-bound: this is 14 kernels fewer per block and step for
+Q/K/V (two products and four autocast casts in the forward; four products, three casts and two adds of the input's
+gradient in the backward, for one concatenation) and about 7 for w1/w3 (one product and two casts in the forward;
+two products, two casts and an add in the backward, which takes the gate's gradient whole).
+
+Parameter names and the state dict are untouched, and the function computed is the same up to rounding (both keep
+the norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP compose with it. Apply
+it before `apply_checkpointing` (the ffn/attn policies wrap the forward a part has at that moment) and before making
+the optimizer (which must see the parameters' final storage).
 
 Attention is chosen separately (`cs336_systems.attention.use_attention`); the LM head and loss
 by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
@@ -36,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
-from cs336_systems.kernels.swiglu import silu_mul
+from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
 
 
 def _fused_rmsnorm_forward(self, x):
@@ -47,6 +52,15 @@ def _fused_swiglu_forward(self, x):
     # The w1 and w3 products are this forward's own temporaries, read later by the gate alone: its backward may
     # write their gradients over them (two (tokens, d_ff) tensors less at the block's backward peak).
     return self.w2(silu_mul(self.w1(x), self.w3(x), backward_in_place=True))
+
+
+def _merged_swiglu_forward(self, x):
+    # One product with w1 and w3 stacked; the gate reads its two halves, and its backward writes their gradient over
+    # it, whole, for one product each of dx and dW. Not while compiling (inductor plans the products itself; the
+    # address check cannot be traced): the unmerged form then, with the gate's operator.
+    if torch.compiler.is_compiling():
+        return _fused_swiglu_forward(self, x)
+    return self.w2(silu_mul_packed(merged_product(x, self.w1.weight, self.w3.weight), backward_in_place=True))
 
 
 def _linear_forward(self, x):
@@ -70,15 +84,16 @@ def _consecutive_rows(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
 
 
 class MergedProjection(torch.autograd.Function):
-    """x W_i^T for several weights W_i in one product, returned as one output per weight (column blocks of the
-    product). Under autocast, the input and the merged weight are cast once, as `F.linear` would cast each.
+    """x W_i^T for several weights W_i in one product: returned whole (`split=False`, the W_i's outputs side by side
+    along the last dim) or as one output per weight (column blocks of the product). Under autocast, the input and
+    the merged weight are cast once, as `F.linear` would cast each.
 
     A column block is a view: while any of them lives, the whole product does. With `copy_last` the last output is a
     copy of its own, so an attention that saves V for its backward keeps V alone, not Q's and K's columns beside it
     (RoPE reads Q and K and keeps neither: the product is freed after it)."""
 
     @staticmethod
-    def forward(ctx, x, copy_last, *weights):
+    def forward(ctx, x, split, copy_last, *weights):
         weight = _consecutive_rows(weights)
         if weight is None:  # (the weights were moved apart, e.g. by `.to()` after `apply_fused_kernels`: a copy)
             weight = torch.cat(weights)
@@ -88,27 +103,40 @@ class MergedProjection(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.rows = [w.shape[0] for w in weights]
         ctx.weight_dtype = weights[0].dtype
-        outputs = F.linear(x, weight).split(ctx.rows, dim=-1)
+        product = F.linear(x, weight)
+        if not split:
+            return product
+        outputs = product.split(ctx.rows, dim=-1)
         return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
 
     @staticmethod
     def backward(ctx, *grads):
         x, weight = ctx.saved_tensors
-        # One gradient of the whole product (what PyTorch's split backward forms too), so each of dx and dW is one
-        # product; an output nobody used has no gradient (None): zeros there.
-        grad = torch.cat([g.to(weight.dtype) if g is not None else x.new_zeros(*x.shape[:-1], rows, dtype=weight.dtype)
-                          for g, rows in zip(grads, ctx.rows)], dim=-1)
+        if len(grads) == 1 and grads[0] is not None:  # the whole product's gradient (`split=False`)
+            grad = grads[0].to(weight.dtype)
+        else:
+            # One gradient of the whole product (what PyTorch's split backward forms too), so each of dx and dW is
+            # one product; an output nobody used has no gradient (None): zeros there.
+            grad = torch.cat([g.to(weight.dtype) if g is not None
+                              else x.new_zeros(*x.shape[:-1], rows, dtype=weight.dtype)
+                              for g, rows in zip(grads, ctx.rows)], dim=-1)
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[2:]):
-            return grad_x, None, *(None for _ in ctx.rows)
+        if not any(ctx.needs_input_grad[3:]):
+            return grad_x, None, None, *(None for _ in ctx.rows)
         grad_weight = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
-        return grad_x, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
+        return grad_x, None, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
 
 
 def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool = False) -> tuple[torch.Tensor, ...]:
     """(x W_1^T, x W_2^T, ...) as one product (`MergedProjection`); each W_i (d_out_i, d_in). The outputs are views
     of the product, but for the last with `copy_last`."""
-    return MergedProjection.apply(x, copy_last, *weights)
+    return MergedProjection.apply(x, True, copy_last, *weights)
+
+
+def merged_product(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """x [W_1; W_2; ...]^T: the products with each W_i (d_out_i, d_in) side by side along the last dim, as one
+    product whose backward takes its gradient whole (no concatenation)."""
+    return MergedProjection.apply(x, False, False, *weights)
 
 
 def _make_consecutive(params: list[nn.Parameter]) -> None:
@@ -143,13 +171,13 @@ def _attention_with_cached_positions(self, x, token_positions=None):
     return CausalMultiHeadSelfAttention.forward(self, x, token_positions)
 
 
-def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_qkv: bool = True) -> nn.Module:
+def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
-    `model`, the layout-keeping product on every Linear, and (`merge_qkv`) one Q/K/V product per attention;
-    returns `model`."""
+    `model`, the layout-keeping product on every Linear, and (`merge_projections`) one Q/K/V product per attention
+    and one w1/w3 product per SwiGLU; returns `model`."""
     patched = 0
     for module in model.modules():
-        if merge_qkv and isinstance(module, CausalMultiHeadSelfAttention):
+        if merge_projections and isinstance(module, CausalMultiHeadSelfAttention):
             _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
             module.project_qkv = types.MethodType(_merged_project_qkv, module)
         if rope and isinstance(module, RotaryEmbedding):
@@ -161,7 +189,10 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_qkv: bool
             module.forward = types.MethodType(_fused_rmsnorm_forward, module)
             patched += 1
         elif isinstance(module, SwiGLU):
-            module.forward = types.MethodType(_fused_swiglu_forward, module)
+            if merge_projections:
+                _make_consecutive([module.w1.weight, module.w3.weight])
+            module.forward = types.MethodType(_merged_swiglu_forward if merge_projections else _fused_swiglu_forward,
+                                              module)
             patched += 1
         elif isinstance(module, Linear):
             module.forward = types.MethodType(_linear_forward, module)

@@ -85,7 +85,7 @@ or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or n
           --launcher $launcher 2>&1 | tail -14
       done
       timeout 90 python3 scripts/step_host_profile.py --preset small --context 512 --compile off --steps 20 \
-        --variants baseline,ours,ours-separate-qkv --out "$R/host_profile" 2>&1 | tail -5
+        --variants baseline,ours,ours-unmerged --out "$R/host_profile" 2>&1 | tail -5
       timeout 170 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
         --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
         --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -12

@@ -47,7 +47,7 @@ class _NoAttention(torch.autograd.Function):
 
 
 def stub_launches() -> None:
-    """Every launch of our fused operators (RMSNorm, SwiGLU gate, RoPE, fused AdamW) does nothing, and they take
+    """Every launch of our fused operators (RMSNorm, SwiGLU gates, RoPE, fused AdamW) does nothing, and they take
     their CUDA path on CPU tensors (`runs_kernel`); our attention allocates its outputs only (`_NoAttention`).
     For the whole process: call it before building a model."""
     import cs336_systems.attention as attention_module
@@ -57,6 +57,7 @@ def stub_launches() -> None:
     for module in (rmsnorm_module, swiglu_module):
         module._kernels = lambda: (NoLaunch(), NoLaunch())
         module.runs_kernel = lambda tensor: True
+    swiglu_module._packed_kernels = lambda: (NoLaunch(), NoLaunch())  # (the gate over the merged w1/w3 product)
     rope_module._kernel = lambda: NoLaunch()
     rope_module.runs_kernel = lambda tensor: True
     adamw_module._kernel = lambda: NoLaunch()

@@ -46,19 +46,20 @@ VARIANTS = {
     "ours": ("ours", "triton", True, "fused"),
     "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
-    "ours-separate-qkv": ("ours", "triton", True, "fused"),  # (built with apply_fused_kernels(merge_qkv=False))
+    "ours-unmerged": ("ours", "triton", True, "fused"),  # (apply_fused_kernels(merge_projections=False))
     "plain": ("ours", "reference", False, "cs336"),
 }
 
 
 @contextlib.contextmanager
-def _separate_qkv(separate: bool):
-    """Within it, models built by the recipe keep three Q/K/V products (`apply_fused_kernels(merge_qkv=False)`)."""
+def _unmerged(unmerged: bool):
+    """Within it, models built by the recipe keep three Q/K/V products and two w1/w3 products per block
+    (`apply_fused_kernels(merge_projections=False)`)."""
     import cs336_systems.fused_model as fused_model
 
     apply = fused_model.apply_fused_kernels
-    if separate:
-        fused_model.apply_fused_kernels = functools.partial(apply, merge_qkv=False)
+    if unmerged:
+        fused_model.apply_fused_kernels = functools.partial(apply, merge_projections=False)
     try:
         yield
     finally:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                              compile_mode=("default" if compile_choice == "on" else compile_choice)
                              if compiled else "-")
             try:
-                with _separate_qkv(name == "ours-separate-qkv"):
+                with _unmerged(name == "ours-unmerged"):
                     harness = _Harness(case, cfg, device)
                 with harness.attention_context():
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())

@@ -12,7 +12,7 @@ from cs336_systems.attention import use_attention
 from cs336_systems.config import ModelConfig
 from cs336_systems.fused_model import apply_fused_kernels
 from cs336_systems.kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from cs336_systems.kernels.swiglu import silu_mul, silu_mul_reference
+from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed, silu_mul_reference
 from tests._support import assert_within_budget, kernel_device
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -93,6 +93,54 @@ def test_silu_mul_backward_in_place_refuses_leaves_and_is_loud_about_other_reade
         (silu_mul(x, b * 1, backward_in_place=True).sum() + other.sum()).backward()
 
 
+def _packed_reference(gate_up):
+    d_ff = gate_up.shape[-1] // 2
+    return silu_mul_reference(gate_up[..., :d_ff], gate_up[..., d_ff:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 66), (1, 4098), (2, 3, 2000), (3, 2)])
+def test_silu_mul_packed_matches_reference(shape, dtype):
+    """The gate over one (..., 2 d_ff) product (a | b): output and its one gradient (da | db) within budget, d_ff odd
+    and over one block of columns too."""
+    device = kernel_device()
+    torch.manual_seed(4)
+    gate_up = torch.randn(shape, device=device) * 2
+    dy = torch.randn(*shape[:-1], shape[-1] // 2, device=device)
+    ref, (ref_grad,) = _grads(_packed_reference, gate_up.double(), grad_out=dy.double())
+    ours, (our_grad,) = _grads(silu_mul_packed, gate_up.to(dtype), grad_out=dy)
+    low, (low_grad,) = _grads(_packed_reference, gate_up.to(dtype), grad_out=dy)
+    assert ours.shape == dy.shape and ours.dtype == dtype and our_grad.shape == gate_up.shape
+    assert_within_budget("y", ours, ref, low)
+    assert_within_budget("d(gate_up)", our_grad, ref_grad, low_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_packed_equals_the_gate_on_its_halves_and_writes_in_place(dtype):
+    """Bit for bit what `silu_mul` gives on the two halves (the same arithmetic per element); with
+    `backward_in_place` the gradient is written over the product; leaves are refused, odd widths too."""
+    device = kernel_device()
+    torch.manual_seed(5)
+    gate_up0, dy = torch.randn(4, 9, 2 * 333, device=device, dtype=dtype), torch.randn(4, 9, 333, device=device)
+
+    def run(packed, in_place):
+        leaf = gate_up0.clone().requires_grad_()
+        gate_up = leaf * 1  # a non-leaf product, as the merged w1/w3 product is
+        y = (silu_mul_packed(gate_up, backward_in_place=in_place) if packed
+             else silu_mul(gate_up[..., :333], gate_up[..., 333:]))
+        y.backward(dy.to(dtype))
+        return y, gate_up, leaf.grad
+
+    y, gate_up, grad = run(True, True)
+    want_y, _, want_grad = run(False, False)
+    assert torch.equal(y, want_y) and torch.equal(grad, want_grad)
+    assert torch.equal(gate_up, grad)
+    with pytest.raises(ValueError, match="backward_in_place=True .* leaf"):
+        silu_mul_packed(gate_up0.clone().requires_grad_(), backward_in_place=True)
+    with pytest.raises(ValueError, match="last dim must be even"):
+        silu_mul_packed(torch.ones(2, 5, device=device))
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="weight must have shape"):
         rmsnorm(torch.ones(2, 8), torch.ones(4))
@@ -138,20 +186,21 @@ class _ProductCounter(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _fused_pair(merge_qkv: bool, num_layers: int = 2):
+def _fused_pair(merge: bool, num_layers: int = 2):
     device = kernel_device()
     cfg = ModelConfig.from_name("tiny", num_layers=num_layers, context_length=24)
     torch.manual_seed(0)
-    model = apply_fused_kernels(cfg.build(device=device), merge_qkv=merge_qkv)
+    model = apply_fused_kernels(cfg.build(device=device), merge_projections=merge)
     return model, torch.randint(0, cfg.vocab_size, (2, 24), device=device)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_merged_qkv_is_one_product_per_block_and_computes_the_same_function(autocast):
-    """`merge_qkv` (the default): each block's Q, K, V projections are one product in the forward and one each for
-    the input's and the weights' gradients in the backward (2 + 4 products fewer per block), the three weights are
-    row blocks of one storage and stay their own Parameters (names and state dict unchanged), and the model computes
-    what the unmerged one does, in fp32 and under bf16 autocast (its casts now once per block, not per projection)."""
+def test_merged_projections_are_one_product_per_group_and_compute_the_same_function(autocast):
+    """`merge_projections` (the default): each block's Q, K, V projections are one product in the forward and one
+    each for the input's and the weights' gradients in the backward (2 + 4 products fewer per block), and so are its
+    SwiGLU's w1 and w3 (1 + 2 fewer); the merged weights are row blocks of one storage and stay their own Parameters
+    (names and state dict unchanged), and the model computes what the unmerged one does, in fp32 and under bf16
+    autocast (its casts now once per group, not per projection)."""
     results = {}
     for merge in (False, True):
         model, tokens = _fused_pair(merge)
@@ -163,22 +212,24 @@ def test_merged_qkv_is_one_product_per_block_and_computes_the_same_function(auto
                           count.products - forward_products, model)
     (out_plain, grads_plain, fwd_plain, bwd_plain, _), (out, grads, fwd, bwd, model) = results[False], results[True]
     layers = len(model.layers)
-    assert (fwd_plain - fwd, bwd_plain - bwd) == (2 * layers, 4 * layers)
+    assert (fwd_plain - fwd, bwd_plain - bwd) == ((2 + 1) * layers, (4 + 2) * layers)
     tolerance = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, out_plain, **tolerance)
     assert grads.keys() == grads_plain.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grad, grads_plain[name], **tolerance, msg=name)
-    attn = model.layers[0].attn
-    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
-    assert all(isinstance(w, torch.nn.Parameter) for w in (q, k, v))
-    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    attn, ffn = model.layers[0].attn, model.layers[0].ffn
+    for group in ((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight), (ffn.w1.weight, ffn.w3.weight)):
+        assert all(isinstance(w, torch.nn.Parameter) for w in group)
+        assert len({w.untyped_storage().data_ptr() for w in group}) == 1
+        for first, second in zip(group, group[1:]):
+            assert second.data_ptr() == first.data_ptr() + first.numel() * first.element_size()
 
 
-def test_merged_qkv_saves_less_under_autocast_and_no_more_without():
-    """The merged product saves one cast of the block's input where the three projections saved one each under
-    autocast, and V is a copy of its own, so the attention's saved V keeps no Q and K columns alive."""
+def test_merged_projections_save_less_under_autocast_and_no_more_without():
+    """A merged product saves one cast of its input where the projections saved one each under autocast, V is a
+    copy of its own, so the attention's saved V keeps no Q and K columns alive, and the gate saves the w1/w3 product
+    (the two halves it saved before)."""
     from cs336_systems.memory.saved_tensors import SavedTensorLog
 
     saved = {}
@@ -193,16 +244,18 @@ def test_merged_qkv_saves_less_under_autocast_and_no_more_without():
     assert saved[True, True] < saved[False, True]
 
 
-def test_merged_qkv_falls_back_to_a_copy_where_the_weights_moved_apart():
+def test_merged_projections_fall_back_to_a_copy_where_the_weights_moved_apart():
     """Where a weight got storage of its own after `apply_fused_kernels` (as `.to()` gives every parameter) the merged
     product concatenates the weights instead: the same results."""
     from cs336_systems.fused_model import _consecutive_rows
 
     merged, tokens = _fused_pair(True)
     plain, _ = _fused_pair(False)
-    attn = merged.layers[0].attn
+    attn, ffn = merged.layers[0].attn, merged.layers[0].ffn
     attn.k_proj.weight.data = attn.k_proj.weight.detach().clone()
+    ffn.w3.weight.data = ffn.w3.weight.detach().clone()
     assert _consecutive_rows((attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)) is None
+    assert _consecutive_rows((ffn.w1.weight, ffn.w3.weight)) is None
     torch.testing.assert_close(merged(tokens), plain(tokens))
     merged(tokens).square().mean().backward()
     plain(tokens).square().mean().backward()
@@ -262,8 +315,9 @@ def test_fused_model_saves_less():
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), device=device)
     with SavedTensorLog(model) as plain_log:
         model(tokens)
-    with SavedTensorLog(model) as fused_log:
-        apply_fused_kernels(model)(tokens)
+    fused = apply_fused_kernels(model)  # (moves the merged weights into one buffer each: before the log reads them)
+    with SavedTensorLog(fused) as fused_log:
+        fused(tokens)
     assert fused_log.total_bytes < plain_log.total_bytes
 
 
@@ -284,8 +338,8 @@ def test_checkpointing_keeps_the_fused_kernels(policy, monkeypatch):
 
     plain = grads("none")
     calls = []
-    real = fused_model.silu_mul
-    monkeypatch.setattr(fused_model, "silu_mul", lambda a, b, **options: calls.append(1) or real(a, b, **options))
+    real = fused_model.silu_mul_packed  # (the gate over the merged w1/w3 product: the default)
+    monkeypatch.setattr(fused_model, "silu_mul_packed", lambda x, **options: calls.append(1) or real(x, **options))
     checkpointed = grads(policy)
     for a, b in zip(plain, checkpointed):
         assert torch.equal(a, b)

@@ -11,6 +11,11 @@ Elementwise over the flattened tensors, fp32 in registers, results in the inputs
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
 Layers as rmsnorm.py's: reference, kernels, launchers, the operators `cs336::silu_mul(_backward)`, the eager
 Function, `silu_mul`.
+
+`silu_mul_packed(gate_up)` is the same gate over one (..., 2 d_ff) tensor whose first half of each row is a and
+second half b: the output of one product with w1 and w3 stacked (`fused_model.merged_projection`). Its backward
+writes (da | db) as one tensor of that shape, which the product's backward takes whole: one product each for the
+input's and the weights' gradients, where two separate projections take two each and an add.
 """
 
 from __future__ import annotations
@@ -57,6 +62,41 @@ def _kernels():
     return silu_mul_forward_kernel, silu_mul_backward_kernel
 
 
+@functools.cache
+def _packed_kernels():
+    import triton
+    import triton.language as tl
+
+    # One program per (row, BLOCK columns of d_ff): a row's gate and up halves are read at the same offsets.
+    @triton.jit
+    def silu_mul_packed_forward_kernel(gate_up_ptr, y_ptr, d_ff, stride_gate_up, stride_y, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d_ff
+        gate = gate_up_ptr + row * stride_gate_up + cols
+        a = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gate + d_ff, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-a))
+        tl.store(y_ptr + row * stride_y + cols, (a * s * b).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_mul_packed_backward_kernel(gate_up_ptr, dy_ptr, grad_ptr, d_ff, stride_gate_up, stride_dy, stride_grad,
+                                        BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < d_ff
+        gate = gate_up_ptr + row * stride_gate_up + cols
+        a = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gate + d_ff, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        s = 1.0 / (1.0 + tl.exp(-a))
+        grad = grad_ptr + row * stride_grad + cols
+        tl.store(grad, (dy * b * s * (1.0 + a * (1.0 - s))).to(grad_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad + d_ff, (dy * a * s).to(grad_ptr.dtype.element_ty), mask=mask)
+
+    return silu_mul_packed_forward_kernel, silu_mul_packed_backward_kernel
+
+
 def _grid(n: int):
     return ((n + BLOCK - 1) // BLOCK,)
 
@@ -94,6 +134,44 @@ def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: 
     if a.numel():
         launch_plan.launch(backward_kernel, _grid(a.numel()), a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
     return da, db
+
+
+def _packed_grid(rows: int, d_ff: int):
+    return (rows, (d_ff + BLOCK - 1) // BLOCK)
+
+
+def _packed_forward(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(a) * b of a contiguous (..., 2 d_ff) gate_up = (a | b), as (..., d_ff)."""
+    d_ff = gate_up.shape[-1] // 2
+    a, b = gate_up[..., :d_ff], gate_up[..., d_ff:]
+    if not runs_kernel(gate_up):
+        acc = torch.promote_types(gate_up.dtype, torch.float32)
+        return silu_mul_reference(a.to(acc), b.to(acc)).to(gate_up.dtype)
+    forward_kernel, _ = _packed_kernels()
+    y = gate_up.new_empty(gate_up.shape[:-1] + (d_ff,))
+    rows = y.numel() // max(d_ff, 1)
+    if y.numel():
+        launch_plan.launch(forward_kernel, _packed_grid(rows, d_ff), gate_up, y, d_ff, 2 * d_ff, d_ff, BLOCK=BLOCK)
+    return y
+
+
+def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """(da | db) of contiguous tensors, shaped as gate_up; with `in_place` written over gate_up (each element is
+    read before its gradient is stored there; the version counter is bumped as `_backward`'s)."""
+    d_ff = gate_up.shape[-1] // 2
+    if not runs_kernel(gate_up):
+        a, b = _backward(grad_y, gate_up[..., :d_ff], gate_up[..., d_ff:])
+        grad = torch.cat((a, b), dim=-1)
+        return gate_up.copy_(grad) if in_place else grad
+    _, backward_kernel = _packed_kernels()
+    if in_place:
+        torch.autograd.graph.increment_version(gate_up)
+    grad = gate_up if in_place else torch.empty_like(gate_up)
+    rows = grad_y.numel() // max(d_ff, 1)
+    if grad_y.numel():
+        launch_plan.launch(backward_kernel, _packed_grid(rows, d_ff), gate_up, grad_y, grad, d_ff, 2 * d_ff, d_ff,
+                           2 * d_ff, BLOCK=BLOCK)
+    return grad
 
 
 # The registered operators: what torch.compile sees (`compiling`).
@@ -165,3 +243,33 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor, *, backward_in_place: bool = Fals
             raise ValueError("silu_mul: backward_in_place=True writes the gradients over a and b, so neither may be a "
                              "leaf tensor (the caller's own data); got a leaf: pass backward_in_place=False")
     return SiluMulFunction.apply(a, b, backward_in_place)
+
+
+class SiluMulPackedFunction(torch.autograd.Function):
+    """`silu_mul_packed`'s eager path (no operator: it is used where torch.compile is not tracing)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, backward_in_place=False):
+        gate_up = gate_up.contiguous()
+        ctx.save_for_backward(gate_up)
+        ctx.backward_in_place = backward_in_place
+        return _packed_forward(gate_up)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return _packed_backward(grad_y.contiguous(), *ctx.saved_tensors, in_place=ctx.backward_in_place), None
+
+
+def silu_mul_packed(gate_up: torch.Tensor, *, backward_in_place: bool = False) -> torch.Tensor:
+    """silu(a) * b for gate_up = (a | b) along its last dim (..., 2 d_ff): the fused gate over one product of x with
+    w1 and w3 stacked. Its gradient is one tensor shaped as gate_up (`backward_in_place`: written over it, as
+    `silu_mul`'s). For torch.compile, `silu_mul` on the two halves (its operator) is the traceable form."""
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_mul_packed: gate_up's last dim must be even (a | b), got shape {tuple(gate_up.shape)}")
+    if not gate_up.dtype.is_floating_point:
+        raise TypeError(f"silu_mul_packed: gate_up must be floating point, got {gate_up.dtype}")
+    check_operator_device("silu_mul_packed", gate_up)
+    if backward_in_place and torch.is_grad_enabled() and gate_up.requires_grad and gate_up.is_leaf:
+        raise ValueError("silu_mul_packed: backward_in_place=True writes the gradient over gate_up, so it may not be "
+                         "a leaf tensor (the caller's own data); got a leaf: pass backward_in_place=False")
+    return SiluMulPackedFunction.apply(gate_up, backward_in_place)

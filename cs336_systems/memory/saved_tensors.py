@@ -47,7 +47,7 @@ class SavedTensorLog:
         self.model = model
         self.records: list[SavedRecord] = []
         self._seen_storages: set[int] = set()
-        self._parameter_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()} if model else set()
+        self._parameter_ptrs: set[int] = set()
         self._module_stack: list[str] = []
         self._handles = []
         self._ops = _OpTracker()
@@ -74,6 +74,9 @@ class SavedTensorLog:
         self._module_stack.pop()  # a forward hook that returned a value would replace the output
 
     def __enter__(self) -> SavedTensorLog:
+        # (read here, not when the log is made: `apply_fused_kernels` may have moved the parameters in between)
+        parameters = self.model.parameters() if self.model is not None else ()
+        self._parameter_ptrs = {p.untyped_storage().data_ptr() for p in parameters}
         if self.model is not None:
             for name, module in self.model.named_modules():
                 label = name or type(module).__name__

@@ -63,13 +63,15 @@ def _kernels():
 
 
 @functools.cache
-def _packed_kernels():
+def _packed_kernel():
     import triton
     import triton.language as tl
 
     # One program per (row, BLOCK columns of d_ff): a row's gate and up halves are read at the same offsets.
+    # Forward: out (rows, d_ff) <- silu(a) * b. BACKWARD: out (rows, 2 d_ff) <- (da | db) from dy (rows, d_ff).
     @triton.jit
-    def silu_mul_packed_forward_kernel(gate_up_ptr, y_ptr, d_ff, stride_gate_up, stride_y, BLOCK: tl.constexpr):
+    def silu_mul_packed_kernel(gate_up_ptr, dy_ptr, out_ptr, d_ff, stride_gate_up, stride_dy, stride_out,
+                               BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < d_ff
@@ -77,24 +79,15 @@ def _packed_kernels():
         a = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(gate + d_ff, mask=mask, other=0.0).to(tl.float32)
         s = 1.0 / (1.0 + tl.exp(-a))
-        tl.store(y_ptr + row * stride_y + cols, (a * s * b).to(y_ptr.dtype.element_ty), mask=mask)
+        out = out_ptr + row * stride_out + cols
+        if BACKWARD:
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out, (dy * b * s * (1.0 + a * (1.0 - s))).to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out + d_ff, (dy * a * s).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out, (a * s * b).to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def silu_mul_packed_backward_kernel(gate_up_ptr, dy_ptr, grad_ptr, d_ff, stride_gate_up, stride_dy, stride_grad,
-                                        BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < d_ff
-        gate = gate_up_ptr + row * stride_gate_up + cols
-        a = tl.load(gate, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(gate + d_ff, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        s = 1.0 / (1.0 + tl.exp(-a))
-        grad = grad_ptr + row * stride_grad + cols
-        tl.store(grad, (dy * b * s * (1.0 + a * (1.0 - s))).to(grad_ptr.dtype.element_ty), mask=mask)
-        tl.store(grad + d_ff, (dy * a * s).to(grad_ptr.dtype.element_ty), mask=mask)
-
-    return silu_mul_packed_forward_kernel, silu_mul_packed_backward_kernel
+    return silu_mul_packed_kernel
 
 
 def _grid(n: int):
@@ -147,11 +140,11 @@ def _packed_forward(gate_up: torch.Tensor) -> torch.Tensor:
     if not runs_kernel(gate_up):
         acc = torch.promote_types(gate_up.dtype, torch.float32)
         return silu_mul_reference(a.to(acc), b.to(acc)).to(gate_up.dtype)
-    forward_kernel, _ = _packed_kernels()
     y = gate_up.new_empty(gate_up.shape[:-1] + (d_ff,))
     rows = y.numel() // max(d_ff, 1)
-    if y.numel():
-        launch_plan.launch(forward_kernel, _packed_grid(rows, d_ff), gate_up, y, d_ff, 2 * d_ff, d_ff, BLOCK=BLOCK)
+    if y.numel():  # (dy is not read going forward: gate_up stands in for it)
+        launch_plan.launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, gate_up, y, d_ff, 2 * d_ff, 0, d_ff,
+                           BACKWARD=False, BLOCK=BLOCK)
     return y
 
 
@@ -163,14 +156,13 @@ def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool
         a, b = _backward(grad_y, gate_up[..., :d_ff], gate_up[..., d_ff:])
         grad = torch.cat((a, b), dim=-1)
         return gate_up.copy_(grad) if in_place else grad
-    _, backward_kernel = _packed_kernels()
     if in_place:
         torch.autograd.graph.increment_version(gate_up)
     grad = gate_up if in_place else torch.empty_like(gate_up)
     rows = grad_y.numel() // max(d_ff, 1)
     if grad_y.numel():
-        launch_plan.launch(backward_kernel, _packed_grid(rows, d_ff), gate_up, grad_y, grad, d_ff, 2 * d_ff, d_ff,
-                           2 * d_ff, BLOCK=BLOCK)
+        launch_plan.launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, grad_y, grad, d_ff, 2 * d_ff, d_ff,
+                           2 * d_ff, BACKWARD=True, BLOCK=BLOCK)
     return grad
 
 

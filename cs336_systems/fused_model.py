@@ -20,9 +20,10 @@ gradient in the backward, for one concatenation) and about 7 for w1/w3 (one prod
 two products, two casts and an add in the backward, which takes the gate's gradient whole).
 
 Parameter names and the state dict are untouched, and the function computed is the same up to rounding (both keep
-the norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP compose with it. Apply
-it before `apply_checkpointing` (the ffn/attn policies wrap the forward a part has at that moment) and before making
-the optimizer (which must see the parameters' final storage).
+the norm in fp32 and return the input dtype), so checkpoints, checkpointing policies and FSDP compose with it (a
+merged product steps aside where FSDP has taken over a Linear's forward to gather its shards). Apply it before
+`apply_checkpointing` (the ffn/attn policies wrap the forward a part has at that moment), before FSDP and before
+making the optimizer (which must see the parameters' final storage).
 
 Attention is chosen separately (`cs336_systems.attention.use_attention`); the LM head and loss
 by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
@@ -54,17 +55,23 @@ def _fused_swiglu_forward(self, x):
     return self.w2(silu_mul(self.w1(x), self.w3(x), backward_in_place=True))
 
 
+def _linear_forward(self, x):
+    return F.linear(x, self.weight)
+
+
+def _project_themselves(*linears) -> bool:
+    """Whether each Linear still runs the product `apply_fused_kernels` gave it, on its own whole weight. A wrapper
+    that replaces a Linear's forward (our FSDP gathers a sharded weight in it) makes the merged product step aside."""
+    return all(getattr(linear.forward, "__func__", None) is _linear_forward for linear in linears)
+
+
 def _merged_swiglu_forward(self, x):
     # One product with w1 and w3 stacked; the gate reads its two halves, and its backward writes their gradient over
     # it, whole, for one product each of dx and dW. Not while compiling (inductor plans the products itself; the
     # address check cannot be traced): the unmerged form then, with the gate's operator.
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _project_themselves(self.w1, self.w3):
         return _fused_swiglu_forward(self, x)
     return self.w2(silu_mul_packed(merged_product(x, self.w1.weight, self.w3.weight), backward_in_place=True))
-
-
-def _linear_forward(self, x):
-    return F.linear(x, self.weight)
 
 
 def _consecutive_rows(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
@@ -150,7 +157,8 @@ def _make_consecutive(params: list[nn.Parameter]) -> None:
 def _merged_project_qkv(self, x):
     # Not while compiling (inductor plans the products itself; the address check cannot be traced) nor without RoPE
     # (the attention would then save Q's and K's views, and with them the whole product, for its backward).
-    if torch.compiler.is_compiling() or self.positional_encoder is None:
+    if (torch.compiler.is_compiling() or self.positional_encoder is None
+            or not _project_themselves(self.q_proj, self.k_proj, self.v_proj)):
         return CausalMultiHeadSelfAttention.project_qkv(self, x)
     return merged_projection(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, copy_last=True)
 

@@ -26,9 +26,11 @@ def _batches(steps, batch=4):
 
 
 def _train(fsdp_kwargs, compare, rank, world_size, steps=3, reference_transform=None, wrap=None,
-           optimizer=lambda params: torch.optim.SGD(params, lr=0.1)):
+           optimizer=lambda params: torch.optim.SGD(params, lr=0.1), prepare=None):
     torch.manual_seed(0)
     model = BasicsTransformerLM(**CONFIG)
+    if prepare:  # (applied to both, before FSDP)
+        prepare(model)
     reference = copy.deepcopy(model)
     if reference_transform:
         reference_transform(reference)
@@ -172,6 +174,18 @@ def _layer_units(rank, world_size):
 
 def test_fsdp_one_gather_per_weight_is_bitwise_too():
     run_on_ranks(_layer_units, 2)
+
+
+def _fused_model(rank, world_size):
+    from cs336_systems.fused_model import apply_fused_kernels
+
+    _train({}, _close, rank, world_size, steps=2, prepare=apply_fused_kernels)
+
+
+def test_fsdp_over_our_fused_model_with_merged_projections():
+    """Our fused kernels (the Q/K/V and w1/w3 products merged, by default) under FSDP: the Linears' forwards gather
+    their shards, the merged products step aside for them, and training matches the fused model alone."""
+    run_on_ranks(_fused_model, 2)
 
 
 def test_fsdp_unit_is_validated():

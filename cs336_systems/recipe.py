@@ -39,6 +39,7 @@ class Recipe:
     attention: str = "reference"  # a name from attention.attention_names()
     fused: bool = False  # our Triton RMSNorm and SwiGLU gate
     fused_rope: bool = False  # our Triton RoPE too (needs `fused`)
+    merge_projections: bool = True  # with `fused`: one Q/K/V product and one w1/w3 product per block
     checkpoint: CheckpointPolicy = NO_CHECKPOINTING
     compile: str = "off"  # off, model (torch.compile of the whole model) or block (each block, in place)
     compile_mode: str = "default"  # torch.compile's mode: default, or reduce-overhead (replayed as CUDA graphs)
@@ -73,7 +74,7 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
     if recipe.fused:
         from cs336_systems.fused_model import apply_fused_kernels  # (imports Triton)
 
-        apply_fused_kernels(model, rope=recipe.fused_rope)
+        apply_fused_kernels(model, rope=recipe.fused_rope, merge_projections=recipe.merge_projections)
     apply_checkpointing(model, recipe.checkpoint)
     if recipe.compile == "block":
         for block in model.layers:

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
-import functools
 import io
 import math
 import pstats
@@ -46,24 +45,10 @@ VARIANTS = {
     "ours": ("ours", "triton", True, "fused"),
     "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
-    "ours-unmerged": ("ours", "triton", True, "fused"),  # (apply_fused_kernels(merge_projections=False))
+    "ours-unmerged": ("ours", "triton", True, "fused"),  # (RECIPE_OPTIONS)
     "plain": ("ours", "reference", False, "cs336"),
 }
-
-
-@contextlib.contextmanager
-def _unmerged(unmerged: bool):
-    """Within it, models built by the recipe keep three Q/K/V products and two w1/w3 products per block
-    (`apply_fused_kernels(merge_projections=False)`)."""
-    import cs336_systems.fused_model as fused_model
-
-    apply = fused_model.apply_fused_kernels
-    if unmerged:
-        fused_model.apply_fused_kernels = functools.partial(apply, merge_projections=False)
-    try:
-        yield
-    finally:
-        fused_model.apply_fused_kernels = apply
+RECIPE_OPTIONS = {"ours-unmerged": {"merge_projections": False}}  # what else a variant changes in our Recipe
 
 
 def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
@@ -146,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                              compile_mode=("default" if compile_choice == "on" else compile_choice)
                              if compiled else "-")
             try:
-                with _unmerged(name == "ours-unmerged"):
-                    harness = _Harness(case, cfg, device)
+                harness = _Harness(case, cfg, device, **RECIPE_OPTIONS.get(name, {}))
                 with harness.attention_context():
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
                     _steps_ms(step, 5, device)  # warm-up (and compilation)

@@ -37,6 +37,16 @@ def test_checkpointing_dtype_and_compile_are_applied():
     assert all(block._compiled_call_impl is not None for block in blocks.layers)
 
 
+def test_fused_recipe_merges_the_projections_unless_told_not_to():
+    """Recipe(fused=True) hands `merge_projections` to apply_fused_kernels: w1 and w3 (and Q, K, V) share one
+    buffer by default, and keep their own storage with merge_projections=False."""
+    for merge in (True, False):
+        layer = build_model(TINY, Recipe(fused=True, merge_projections=merge), "cpu").layers[0]
+        for group in ((layer.ffn.w1, layer.ffn.w3), (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj)):
+            storages = {linear.weight.untyped_storage().data_ptr() for linear in group}
+            assert (len(storages) == 1) == merge
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(compile="yes"), "compile must be one of off, model, block, got 'yes'"),
     (dict(optimizer="sgd"), "optimizer must be one of cs336, fused, got 'sgd'"),

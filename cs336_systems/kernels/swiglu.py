@@ -13,7 +13,7 @@ Layers as rmsnorm.py's: reference, kernels, launchers, the operators `cs336::sil
 Function, `silu_mul`.
 
 `silu_mul_packed(gate_up)` is the same gate over one (..., 2 d_ff) tensor whose first half of each row is a and
-second half b: the output of one product with w1 and w3 stacked (`fused_model.merged_projection`). Its backward
+second half b: the output of one product with w1 and w3 stacked (`fused_model.merged_product`). Its backward
 writes (da | db) as one tensor of that shape, which the product's backward takes whole: one product each for the
 input's and the weights' gradients, where two separate projections take two each and an add.
 """
@@ -136,10 +136,9 @@ def _packed_grid(rows: int, d_ff: int):
 def _packed_forward(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(a) * b of a contiguous (..., 2 d_ff) gate_up = (a | b), as (..., d_ff)."""
     d_ff = gate_up.shape[-1] // 2
-    a, b = gate_up[..., :d_ff], gate_up[..., d_ff:]
     if not runs_kernel(gate_up):
         acc = torch.promote_types(gate_up.dtype, torch.float32)
-        return silu_mul_reference(a.to(acc), b.to(acc)).to(gate_up.dtype)
+        return silu_mul_reference(gate_up[..., :d_ff].to(acc), gate_up[..., d_ff:].to(acc)).to(gate_up.dtype)
     y = gate_up.new_empty(gate_up.shape[:-1] + (d_ff,))
     rows = y.numel() // max(d_ff, 1)
     if y.numel():  # (dy is not read going forward: gate_up stands in for it)
@@ -152,10 +151,9 @@ def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool
     """(da | db) of contiguous tensors, shaped as gate_up; with `in_place` written over gate_up (each element is
     read before its gradient is stored there; the version counter is bumped as `_backward`'s)."""
     d_ff = gate_up.shape[-1] // 2
-    if not runs_kernel(gate_up):
-        a, b = _backward(grad_y, gate_up[..., :d_ff], gate_up[..., d_ff:])
-        grad = torch.cat((a, b), dim=-1)
-        return gate_up.copy_(grad) if in_place else grad
+    if not runs_kernel(gate_up):  # (in place: `_backward` copies da and db into gate_up's two halves)
+        da, db = _backward(grad_y, gate_up[..., :d_ff], gate_up[..., d_ff:], in_place=in_place)
+        return gate_up if in_place else torch.cat((da, db), dim=-1)
     if in_place:
         torch.autograd.graph.increment_version(gate_up)
     grad = gate_up if in_place else torch.empty_like(gate_up)

@@ -132,9 +132,10 @@ def cases(args) -> list[ModelCase]:
 
 
 class _Harness:
-    """The model, optimizer, batch and step functions of one configuration."""
+    """The model, optimizer, batch and step functions of one configuration (`recipe_options`: more `Recipe` fields
+    for ours, beyond what the case sets)."""
 
-    def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device):
+    def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device, **recipe_options):
         self.case, self.cfg, self.device = case, cfg, device
         if case.compile:
             # Each compiled configuration starts from an empty dynamo cache: its first call then carries its own
@@ -145,7 +146,7 @@ class _Harness:
                                  checkpoint=case.checkpoint,
                                  compile=case.compile_scope if case.compile else "off",
                                  compile_mode=case.compile_mode if case.compile else "default",
-                                 optimizer=case.optimizer)
+                                 optimizer=case.optimizer, **recipe_options)
             self.model = build_model(cfg, self.recipe, device)
             self.optimizer = build_optimizer(self.model, self.recipe)
             self.forward_model = forward_of(self.model, self.recipe)

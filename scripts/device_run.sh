@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session5, session6, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session5, session6, session7, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -107,6 +107,28 @@ or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or n
       timeout 75 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
         --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
         --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -8
+      ;;
+    session7)
+      # The seventh 2026-12-05 session's first call (~7 min): (1) the merged Q/K/V and w1/w3 products and the packed
+      # gate on the GPU, the operators, the recipe, the host profile's test, the fuzz's fp32 case 8 (the one over
+      # 2x) and the nine fp16 cases never run; (2) case 8's ratios; (3) a small step's host time, ours merged and
+      # unmerged against the baseline; (4) ours against the baseline at every size, eager, ctx 512.
+      CS336_AUTOTUNE=0 timeout 150 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+        tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_recipe.py \
+        tests/test_kernels_flash_fuzz.py \
+        -k "(triton_flash_fuzz_gpu and (fp32-8 or fp16-162 or fp16-183 or fp16-186 or fp16-187 or fp16-188 \
+or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz" \
+        > "$OUT/tests_session7.log" 2>&1
+      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session7.log" | head -20
+      grep -E "^E .*(budget|Error)" "$OUT/tests_session7.log" | head -10
+      tail -3 "$OUT/tests_session7.log"
+      timeout 40 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
+        --launcher python 2>&1 | tail -10
+      timeout 120 python3 scripts/step_host_profile.py --preset small --context 512 --compile off --steps 20 \
+        --variants baseline,ours,ours-unmerged --out "$R/host_profile" 2>&1 | tail -5
+      timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
+        --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -12
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

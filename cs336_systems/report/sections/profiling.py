@@ -216,10 +216,9 @@ def memory_profiling(doc: Document, r: Results) -> None:
             top = step_peaks.sort_values("median").iloc[-1]
             doc.add(Paragraph(f"(a) The timelines below shade the phases. Forward only, memory climbs block by "
                               f"block and falls when the pass ends; in the training step it climbs through the "
-                              f"forward, is highest in the {top['phase']} phase ({top['median']:.1f} GiB at context "
-                              f"{int(top['context'])}, {top['dtype']}), falls as the backward frees each block's "
-                              "saved tensors while the gradients appear, and the optimizer adds AdamW's moments at "
-                              "its first step: each stage has its own shape."))
+                              f"forward and is highest in the {top['phase']} phase ({top['median']:.1f} GiB at context "
+                              f"{int(top['context'])}, {top['dtype']}). "
+                              + _backward_change(r, int(top["context"]), top["dtype"])))
         doc.add(Paragraph("Each mode is recorded right after its own timed steps, so the forward rows hold the "
                           "parameters (fp32: 4 bytes each) and the forward's activations (plus, under bf16 autocast, "
                           "the bf16 weight copies), no gradients or AdamW state. The train-step peak is at the end "
@@ -278,6 +277,35 @@ def memory_profiling(doc: Document, r: Results) -> None:
     doc.add(Paragraph(f"One residual-stream activation of xl in fp32 is batch x context x d_model x 4 bytes = "
                       f"{batch} x {ctx} x {d} x 4 = {batch * ctx * d * 4 / 2**20:.0f} MiB at context {ctx} "
                       f"({batch * short * d * 4 / 2**20:.0f} MiB at {short})."))
+
+
+def _backward_change(r: Results, context: int, dtype: str) -> str:
+    """memory_profiling (a): what the first backward of an xl train-step timeline does to memory, from its rows: the
+    saved activations it frees against the gradients it makes (fp32: 4 bytes per parameter)."""
+    rows = r.frame("memory-timeline")
+    if rows.empty:
+        return ""
+    rows = rows[(rows["preset"] == "xl") & (rows["mode"] == "train-step") & (rows["context"] == context)
+                & (rows["dtype"] == dtype)]
+    if rows.empty:
+        return ""
+    points = rows[rows["run_id"] == rows.sort_values("timestamp")["run_id"].iloc[-1]].sort_values("ms")
+    runs = (points["phase"] != points["phase"].shift()).cumsum()  # consecutive points of one phase
+    spans = [(run["phase"].iloc[0], run["median"]) for _, run in points.groupby(runs) if run["phase"].iloc[0]]
+    forward = next((gib for phase, gib in spans if phase == "forward"), None)
+    backward = next((gib for phase, gib in spans if phase == "backward"), None)
+    if forward is None or backward is None:
+        return ""
+    saved = forward.iloc[-1] - forward.iloc[0]
+    change = backward.iloc[-1] - backward.iloc[0]
+    gradients = ModelConfig.from_name("xl").parameter_count * 4 / 2**30
+    direction = "rises" if change > 0 else "falls"
+    return (f"In the first backward memory {direction} by {abs(change):.1f} GiB (from {backward.iloc[0]:.1f} to "
+            f"{backward.iloc[-1]:.1f}): it frees the {saved:.1f} GiB the forward added as saved activations while "
+            f"it makes xl's fp32 gradients ({gradients:.1f} GiB: 4 bytes each), so at this context the "
+            f"gradients {'outweigh' if gradients > saved else 'weigh less than'} the activations. The optimizer "
+            "phase then holds AdamW's two moments, made at its first step: each stage has its own shape.")
+
 
 
 def _memory_timelines(doc: Document, r: Results) -> None:

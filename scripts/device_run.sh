@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session5, session6, session7, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session5, session6, session7, session8, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -129,6 +129,27 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
         --compile off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
         --warmup 3 --steps 10 --no-progress --results-dir "$R" 2>&1 | tail -12
+      ;;
+    session8)
+      # The next session's first call (~7 min; carry [".whl"] for Liger): (1) the operators on the GPU, with our
+      # pointwise kernels as triton_ops under torch.compile (CS336_TRITON_OPS=1: inductor launches them; written
+      # in the seventh 2026-12-05 session, never run on a GPU) and the usual custom ops; (2) a compiled small step's
+      # host time, ours with each form against the baseline; (3) ours compiled with triton_ops at every size, the
+      # baseline beside it; (4) the fuzz's fp32 case 8 ratios (40 s was too short for its compile); (5) the fused
+      # CE against Liger in one run.
+      CS336_AUTOTUNE=0 timeout 180 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_operators.py \
+        tests/test_kernels_rmsnorm_swiglu.py > "$OUT/tests_session8.log" 2>&1
+      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session8.log" | head -20
+      tail -3 "$OUT/tests_session8.log"
+      timeout 150 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
+        --variants ours,ours-triton-ops,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
+      CS336_TRITON_OPS=1 timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl \
+        --context 512 --dtype bf16 --compile on,reduce-overhead --compile-scope block --provider ours,baseline \
+        --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
+        --results-dir "$R" 2>&1 | tail -18
+      timeout 120 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
+        --launcher python 2>&1 | tail -10
+      run_stage cross-entropy
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

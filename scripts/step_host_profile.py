@@ -28,6 +28,7 @@ import cProfile
 import dataclasses
 import io
 import math
+import os
 import pstats
 import statistics
 import time
@@ -46,9 +47,12 @@ VARIANTS = {
     "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
     "ours-unmerged": ("ours", "triton", True, "fused"),  # (RECIPE_OPTIONS)
+    "ours-triton-ops": ("ours", "triton", True, "fused"),  # (VARIANT_ENVIRONMENT)
     "plain": ("ours", "reference", False, "cs336"),
 }
 RECIPE_OPTIONS = {"ours-unmerged": {"merge_projections": False}}  # what else a variant changes in our Recipe
+# Environment a variant runs under: our pointwise operators as triton_ops under torch.compile (read when traced).
+VARIANT_ENVIRONMENT = {"ours-triton-ops": {"CS336_TRITON_OPS": "1"}}
 
 
 def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
@@ -61,6 +65,21 @@ def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     return times
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """These environment variables set for the block, the previous values back after it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                              if compiled else "-")
             try:
                 harness = _Harness(case, cfg, device, **RECIPE_OPTIONS.get(name, {}))
-                with harness.attention_context():
+                with harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})):
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
                     _steps_ms(step, 5, device)  # warm-up (and compilation)
                     times = _steps_ms(step, args.steps, device)

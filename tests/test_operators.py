@@ -5,6 +5,7 @@ gradients."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -32,9 +33,19 @@ def _operator_cases(device: str):
         flash_attention_backward_op,
         flash_attention_forward_op,
     )
-    from cs336_systems.kernels.rmsnorm import rmsnorm_backward_op, rmsnorm_op
-    from cs336_systems.kernels.rope import rope_op
-    from cs336_systems.kernels.swiglu import silu_mul_backward_op, silu_mul_op
+    from cs336_systems.kernels.rmsnorm import (
+        rmsnorm_backward_op,
+        rmsnorm_op,
+        rmsnorm_traced_backward_op,
+        rmsnorm_traced_op,
+    )
+    from cs336_systems.kernels.rope import rope_op, rope_traced_op
+    from cs336_systems.kernels.swiglu import (
+        silu_mul_backward_op,
+        silu_mul_op,
+        silu_mul_traced_backward_op,
+        silu_mul_traced_op,
+    )
 
     g = torch.Generator().manual_seed(0)
 
@@ -59,11 +70,17 @@ def _operator_cases(device: str):
         (flash_attention_forward_op, (q, k, v, True, "triton")),
         (flash_attention_backward_op, (q.detach(), k.detach(), v.detach(), out, lse, rand(2, 3, 7, 16), True,
                                        "triton")),
+        (rmsnorm_traced_op, (x, w, 1e-5)),
+        (rmsnorm_traced_backward_op, (rand(2, 3, 24), x.detach(), w.detach(), rand(2, 3).abs() + 0.5)),
+        (silu_mul_traced_op, (a, b)),
+        (silu_mul_traced_backward_op, (rand(3, 37), a.detach(), b.detach())),
+        (rope_traced_op, (heads, positions, cache, 1.0)),
     ]
 
 
 OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "rope", "lm_head_cross_entropy",
-             "flash_attention_forward", "flash_attention_backward"]
+             "flash_attention_forward", "flash_attention_backward", "rmsnorm_traced", "rmsnorm_traced_backward",
+             "silu_mul_traced", "silu_mul_traced_backward", "rope_traced"]
 
 
 @pytest.mark.parametrize("index", range(len(OPERATORS)), ids=OPERATORS)
@@ -74,9 +91,56 @@ def test_opcheck_cpu_maths(index, cpu_maths):
 
 @pytest.mark.parametrize("index", range(len(OPERATORS)), ids=OPERATORS)
 def test_opcheck_kernels(index):
-    """The same checks with the Triton kernels (CUDA, or the interpreter on CPU)."""
+    """The same checks with the Triton kernels (CUDA, or the interpreter on CPU; the triton_ops on CUDA only: their
+    fake-tensor check would run the interpreter's kernels on fake tensors)."""
+    from cs336_systems.kernels._triton_utils import interpreting
+
+    if OPERATORS[index].startswith(("rmsnorm_traced", "silu_mul_traced", "rope_traced")) and interpreting():
+        pytest.skip("triton_ops trace their kernels through wrap_triton, which the interpreter cannot fake")
     operator, args = _operator_cases(kernel_device())[index]
     torch.library.opcheck(operator, args)
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_triton_op_bodies_trace_to_one_kernel_node_per_launch(monkeypatch, request, tracing_mode):
+    """What torch.compile does with our triton_ops (CS336_TRITON_OPS=1), without a GPU: each body, traced on meta
+    tensors as if they were CUDA ones, is its allocations plus one `triton_kernel_wrapper_mutation` node per kernel
+    launch (inductor launches those itself), with the grid and sizes symbolic where the shapes are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import cs336_systems.kernels.rmsnorm as rmsnorm_module
+    import cs336_systems.kernels.rope as rope_module
+    import cs336_systems.kernels.swiglu as swiglu_module
+    from cs336_basics.model import RotaryEmbedding
+    from cs336_systems.kernels._triton_utils import launch_wrapped
+
+    # Compiled (not interpreted) kernels, as on a GPU: made afresh with the interpreter off, and dropped after.
+    kernel_caches = (rmsnorm_module._kernels, rope_module._kernel, swiglu_module._kernels)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for cached in kernel_caches:
+        cached.cache_clear()
+    request.addfinalizer(lambda: [cached.cache_clear() for cached in kernel_caches])
+    for module in (rmsnorm_module, rope_module, swiglu_module):
+        monkeypatch.setattr(module, "runs_kernel", lambda t: True)  # meta tensors stand in for CUDA ones
+    meta = functools.partial(torch.empty, device="meta")
+    cache = RotaryEmbedding(context_length=16, dim=8)._freq_cis_cache.to("meta")
+    heads = meta(2, 5, 3, 8).transpose(1, 2)
+    bodies = [
+        (lambda x, w: rmsnorm_module._forward(x, w, 1e-5, launch=launch_wrapped), (meta(6, 24), meta(24))),
+        (lambda dy, x, w, r: rmsnorm_module._backward(dy, x, w, r, launch=launch_wrapped),
+         (meta(6, 24), meta(6, 24), meta(24), meta(6))),
+        (lambda a, b: swiglu_module._forward(a, b, launch=launch_wrapped), (meta(3, 37), meta(3, 37))),
+        (lambda dy, a, b: swiglu_module._backward(dy, a, b, launch=launch_wrapped),
+         (meta(3, 37), meta(3, 37), meta(3, 37))),
+        (lambda x, pos, cache: rope_module._rotate(x, pos, cache, 1.0, launch=launch_wrapped),
+         (heads, torch.broadcast_to(torch.arange(5, device="meta"), heads.shape[:-1]), cache)),
+    ]
+    for body, inputs in bodies:
+        graph = make_fx(body, tracing_mode=tracing_mode)(*inputs)
+        launches = [node for node in graph.graph.nodes if "triton_kernel_wrapper" in str(node.target)]
+        assert len(launches) == 1, graph.code
+        if tracing_mode == "symbolic":
+            assert "sym_size" in graph.code or "sym_numel" in graph.code, graph.code  # no recompile per shape
 
 
 def test_cpu_maths_match_the_references(cpu_maths):
@@ -147,18 +211,35 @@ def _compiled_step_matches_eager(preset_contexts, device: str, **recipe_options)
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
-def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths):
+@pytest.mark.parametrize("triton_ops", ["0", "1"], ids=["custom-ops", "triton-ops"])
+def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths, monkeypatch, triton_ops):
     """Two presets, two context lengths each, in one process (the second preset once failed with dynamo's
-    'SymNodeVariable has no attribute value'): one graph per model, none per size."""
+    'SymNodeVariable has no attribute value'): one graph per model, none per size; with our operators as custom ops
+    (their Python runs per call) and as triton_ops (CS336_TRITON_OPS=1: their bodies are traced)."""
+    import cs336_systems.kernels.rmsnorm as rmsnorm_module
+    import cs336_systems.kernels.rope as rope_module
+    import cs336_systems.kernels.swiglu as swiglu_module
+
+    monkeypatch.setenv("CS336_TRITON_OPS", triton_ops)
+    for module, name in [(rmsnorm_module, "rmsnorm"), (swiglu_module, "silu_mul"), (rope_module, "rope")]:
+        unused = f"{name}_op" if triton_ops == "1" else f"{name}_traced_op"  # the other form must not be traced
+
+        def refuse(*args, _unused=unused):
+            raise AssertionError(f"{_unused} was called")
+
+        monkeypatch.setattr(module, unused, refuse)
     graphs = _compiled_step_matches_eager([("tiny", (24, 40)), ("small", (16, 33))], "cpu", attention="triton",
                                           fused=True, fused_rope=True)
     assert graphs == 2
 
 
 @pytest.mark.gpu
-def test_our_model_compiles_with_the_kernels():
+@pytest.mark.parametrize("triton_ops", ["0", "1"], ids=["custom-ops", "triton-ops"])
+def test_our_model_compiles_with_the_kernels(monkeypatch, triton_ops):
+    """As above with the Triton kernels: launched by our operators' Python, or (triton_ops) by inductor's code."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (the interpreter has no compiled path)")
+    monkeypatch.setenv("CS336_TRITON_OPS", triton_ops)
     graphs = _compiled_step_matches_eager([("tiny", (64, 100)), ("small", (32, 48))], "cuda", attention="triton",
                                           fused=True, fused_rope=True)
     assert graphs == 2
@@ -292,3 +373,25 @@ def test_step_host_profile_script_runs(tmp_path):
         refused = subprocess.run([sys.executable, str(script), "--device", "cpu", *bad], capture_output=True,
                                  text=True, timeout=300)
         assert refused.returncode == 2 and option in refused.stderr
+
+
+def test_host_profile_variant_environment_is_set_and_restored(monkeypatch):
+    """scripts/step_host_profile.py's `ours-triton-ops` variant runs with CS336_TRITON_OPS=1 and leaves the
+    environment as it found it (set, unset, or with the user's own value)."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "step_host_profile.py"
+    spec = importlib.util.spec_from_file_location("step_host_profile", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.VARIANT_ENVIRONMENT["ours-triton-ops"] == {"CS336_TRITON_OPS": "1"}
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv("CS336_TRITON_OPS", raising=False)
+        else:
+            monkeypatch.setenv("CS336_TRITON_OPS", before)
+        with script._environment({"CS336_TRITON_OPS": "1"}):
+            assert os.environ["CS336_TRITON_OPS"] == "1"
+        assert os.environ.get("CS336_TRITON_OPS") == before

@@ -74,6 +74,22 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def triton_ops_enabled() -> bool:
+    """CS336_TRITON_OPS=1: under torch.compile, RMSNorm, the SwiGLU gate and RoPE trace as `torch.library.triton_op`s
+    (their kernels launched through `wrap_triton`), so inductor launches each kernel from its own generated code
+    instead of calling our operator's Python implementation (dispatch, launcher and Triton's launch path: about
+    180-270 us of CPU self time a call under torch.profiler on the H100's host, 12 calls a block and step,
+    notes/model_sizes.md). Off by default until a GPU run has measured it. Not under TRITON_INTERPRET=1, whose
+    kernels would run on torch.compile's fake tensors."""
+    return os.environ.get("CS336_TRITON_OPS", "0") == "1" and not interpreting()
+
+
+def launch_wrapped(kernel, grid: tuple, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)` as a `triton_op` launches it: through `wrap_triton`, which torch.compile
+    traces into the graph (the launchers' `launch=` argument, in place of `launch_plan.launch`)."""
+    torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+
+
 def autotune_enabled() -> bool:
     """CS336_AUTOTUNE=0 takes the first fitting config instead of timing them all (fast cold
     starts for tests); the default tunes, over deliberately small spaces."""

@@ -26,7 +26,14 @@ import functools
 import torch
 
 from cs336_systems.kernels import launch_plan
-from cs336_systems.kernels._triton_utils import check_operator_device, compiling, next_power_of_2, runs_kernel
+from cs336_systems.kernels._triton_utils import (
+    check_operator_device,
+    compiling,
+    launch_wrapped,
+    next_power_of_2,
+    runs_kernel,
+    triton_ops_enabled,
+)
 
 MAX_D = 16384
 DW_PROGRAMS = 256  # partial dW rows: enough programs to fill 132 SMs twice, small enough to reduce cheaply
@@ -97,8 +104,10 @@ def _num_warps(block_d: int) -> int:
     return min(16, max(1, block_d // 256))
 
 
-def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) of contiguous rows: the kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, launch=launch_plan.launch
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of contiguous rows: the kernel where it runs (`runs_kernel`), the reference maths elsewhere.
+    `launch`: `launch_plan.launch` (eager), or `launch_wrapped` inside a triton_op."""
     if not runs_kernel(x2d):
         acc = torch.promote_types(x2d.dtype, torch.float32)
         rstd = torch.rsqrt(x2d.to(acc).pow(2).mean(-1) + eps)
@@ -106,15 +115,15 @@ def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch
     forward_kernel, _ = _kernels()
     y = torch.empty_like(x2d)
     rstd = torch.empty(x2d.shape[0], device=x2d.device, dtype=torch.float32)
-    block_d = _block_d(x2d.shape[1])
+    block_d = _block_d(int(x2d.shape[1]))  # (a constexpr: a traced width is specialised on)
     if x2d.shape[0]:
-        launch_plan.launch(forward_kernel, (x2d.shape[0],), x2d, weight, y, rstd, x2d.shape[1], eps,
+        launch(forward_kernel, (x2d.shape[0],), x2d, weight, y, rstd, x2d.shape[1], eps,
                            BLOCK_D=block_d, num_warps=_num_warps(block_d))
     return y, rstd
 
 
-def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+              launch=launch_plan.launch) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw in weight's dtype) of contiguous rows."""
     rows, d = x2d.shape
     if not runs_kernel(x2d):
@@ -125,11 +134,11 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
         return dx.to(x2d.dtype), (grad_y2d.to(acc) * x_hat).sum(0).to(weight.dtype)
     _, backward_kernel = _kernels()
     dx = torch.empty_like(x2d)
-    programs = max(1, min(DW_PROGRAMS, rows))
+    programs = torch.sym_max(1, torch.sym_min(DW_PROGRAMS, rows))  # (plain ints eagerly; traced sizes in a triton_op)
     dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
-    block_d = _block_d(d)
+    block_d = _block_d(int(d))
     if rows:
-        launch_plan.launch(backward_kernel, (programs,), x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d,
+        launch(backward_kernel, (programs,), x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d,
                            BLOCK_D=block_d, num_warps=_num_warps(block_d))
     else:
         dw_partial.zero_()
@@ -177,6 +186,32 @@ def _op_backward(ctx, grad_y, _grad_rstd):
 rmsnorm_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+# The same two operators as triton_ops (`triton_ops_enabled`): torch.compile traces their bodies, so inductor launches
+# the kernels from its own code (no Python of ours per call). No fake rules: the bodies trace on fake tensors.
+@torch.library.triton_op("cs336::rmsnorm_traced", mutates_args=())
+def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+@torch.library.triton_op("cs336::rmsnorm_traced_backward", mutates_args=())
+def rmsnorm_traced_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.shape[-1]
+    dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
+                       rstd.reshape(-1).contiguous(), launch=launch_wrapped)
+    return dx.view(x.shape), dw
+
+
+def _traced_op_backward(ctx, grad_y, _grad_rstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rmsnorm_traced_backward_op(grad_y, x, weight, rstd)
+    return dx, dw, None
+
+
+rmsnorm_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+
+
 class RMSNormFunction(torch.autograd.Function):
     """The eager path: the same launchers as the operators, without their dispatch cost."""
 
@@ -207,5 +242,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.T
         raise ValueError(f"rmsnorm: eps must be positive, got {eps}")
     check_operator_device("rmsnorm", x, weight)
     if compiling():
-        return rmsnorm_op(x, weight, eps)[0]
+        return (rmsnorm_traced_op if triton_ops_enabled() else rmsnorm_op)(x, weight, eps)[0]
     return RMSNormFunction.apply(x, weight.contiguous(), eps)

@@ -28,7 +28,15 @@ import weakref
 import torch
 
 from cs336_systems.kernels import launch_plan
-from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, compiling, next_power_of_2, runs_kernel
+from cs336_systems.kernels._triton_utils import (
+    cdiv,
+    check_operator_device,
+    compiling,
+    launch_wrapped,
+    next_power_of_2,
+    runs_kernel,
+    triton_ops_enabled,
+)
 
 TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
 
@@ -102,9 +110,11 @@ def _output_like(x: torch.Tensor) -> torch.Tensor:
     return out.permute(sorted(range(x.dim()), key=order.__getitem__))
 
 
-def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
+def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float, launch=launch_plan.launch
+            ) -> torch.Tensor:
     """Rotate x by sign x the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads): the
-    kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+    kernel where it runs (`runs_kernel`), the reference maths elsewhere. `launch`: `launch_plan.launch` (eager), or
+    `launch_wrapped` inside a triton_op."""
     out = _output_like(x)
     if not runs_kernel(x):
         cos_sin = torch.stack((cache[0], sign * cache[1]))
@@ -116,12 +126,12 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     pos4 = _as_4d(pos[..., None])[..., 0]
     batch, heads, seq, dim = x4.shape
     if x4.numel():
-        block_d = max(2, next_power_of_2(dim))
+        block_d = max(2, next_power_of_2(int(dim)))  # (constexprs: a traced head dim is specialised on)
         block_s = max(1, TILE_ELEMENTS // block_d)
-        launch_plan.launch(
+        launch(
             _kernel(), (cdiv(seq, block_s), batch),
             x4, pos4, cache, out4, heads, seq, dim, cache.shape[1], *x4.stride()[:3], *out4.stride()[:3],
-            *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=heads == 1 or pos4.stride(1) == 0, BLOCK_S=block_s,
+            *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=bool(heads == 1 or pos4.stride(1) == 0), BLOCK_S=block_s,
             BLOCK_D=block_d)
     return out
 
@@ -150,6 +160,20 @@ def _op_backward(ctx, grad_out):
 
 
 rope_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# The same operator as a triton_op (`triton_ops_enabled`; rmsnorm.py's say why).
+@torch.library.triton_op("cs336::rope_traced", mutates_args=())
+def rope_traced_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
+    return _rotate(x, pos, cache.contiguous(), sign, launch=launch_wrapped)
+
+
+def _traced_op_backward(ctx, grad_out):
+    pos, cache = ctx.saved_tensors
+    return rope_traced_op(grad_out, pos, cache, -ctx.sign), None, None, None
+
+
+rope_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
 
 
 class RoPEFunction(torch.autograd.Function):
@@ -201,5 +225,5 @@ def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.T
     if pos_ids.numel():
         _check_positions(pos_ids, cache.shape[1])
     if compiling():
-        return rope_op(x, pos, cache, 1.0)
+        return (rope_traced_op if triton_ops_enabled() else rope_op)(x, pos, cache, 1.0)
     return RoPEFunction.apply(x, pos, cache.contiguous())

@@ -25,7 +25,13 @@ import functools
 import torch
 
 from cs336_systems.kernels import launch_plan
-from cs336_systems.kernels._triton_utils import check_operator_device, compiling, runs_kernel
+from cs336_systems.kernels._triton_utils import (
+    check_operator_device,
+    compiling,
+    launch_wrapped,
+    runs_kernel,
+    triton_ops_enabled,
+)
 
 BLOCK = 1024
 
@@ -94,20 +100,21 @@ def _grid(n: int):
     return ((n + BLOCK - 1) // BLOCK,)
 
 
-def _forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b of contiguous a, b: the kernel where it runs (`runs_kernel`), the reference maths elsewhere."""
+def _forward(a: torch.Tensor, b: torch.Tensor, launch=launch_plan.launch) -> torch.Tensor:
+    """silu(a) * b of contiguous a, b: the kernel where it runs (`runs_kernel`), the reference maths elsewhere.
+    `launch`: `launch_plan.launch` (eager), or `launch_wrapped` inside a triton_op."""
     if not runs_kernel(a):
         acc = torch.promote_types(a.dtype, torch.float32)
         return silu_mul_reference(a.to(acc), b.to(acc)).to(a.dtype)
     forward_kernel, _ = _kernels()
     y = torch.empty_like(a)
     if a.numel():
-        launch_plan.launch(forward_kernel, _grid(a.numel()), a, b, y, a.numel(), BLOCK=BLOCK)
+        launch(forward_kernel, _grid(a.numel()), a, b, y, a.numel(), BLOCK=BLOCK)
     return y
 
 
-def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: bool = False,
+              launch=launch_plan.launch) -> tuple[torch.Tensor, torch.Tensor]:
     """(da, db) of contiguous tensors; with `in_place`, written over a and b (each element is read before its
     gradient is stored at the same place), whose version counters are bumped so any other saved copy of them fails
     loudly on use instead of reading gradients."""
@@ -125,7 +132,7 @@ def _backward(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, in_place: 
             torch.autograd.graph.increment_version(t)
     da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
     if a.numel():
-        launch_plan.launch(backward_kernel, _grid(a.numel()), a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
+        launch(backward_kernel, _grid(a.numel()), a, b, grad_y, da, db, a.numel(), BLOCK=BLOCK)
     return da, db
 
 
@@ -198,6 +205,25 @@ def _op_backward(ctx, grad_y):
 silu_mul_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+# The same two operators as triton_ops (`triton_ops_enabled`; rmsnorm.py's say why).
+@torch.library.triton_op("cs336::silu_mul_traced", mutates_args=())
+def silu_mul_traced_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _forward(a.contiguous(), b.contiguous(), launch=launch_wrapped)
+
+
+@torch.library.triton_op("cs336::silu_mul_traced_backward", mutates_args=())
+def silu_mul_traced_backward_op(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward(grad_y.contiguous(), a.contiguous(), b.contiguous(), launch=launch_wrapped)
+
+
+def _traced_op_backward(ctx, grad_y):
+    return silu_mul_traced_backward_op(grad_y, *ctx.saved_tensors)
+
+
+silu_mul_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+
+
 class SiluMulFunction(torch.autograd.Function):
     """The eager path: the same launchers as the operators, without their dispatch cost."""
 
@@ -227,7 +253,7 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor, *, backward_in_place: bool = Fals
         raise TypeError(f"silu_mul: a and b must share one floating dtype, got {a.dtype} and {b.dtype}")
     check_operator_device("silu_mul", a, b)
     if compiling():
-        return silu_mul_op(a, b)
+        return (silu_mul_traced_op if triton_ops_enabled() else silu_mul_op)(a, b)
     if backward_in_place and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         if a.is_leaf or b.is_leaf:
             raise ValueError("silu_mul: backward_in_place=True writes the gradients over a and b, so neither may be a "

@@ -27,6 +27,7 @@ from cs336_systems.attention import attention_names
 from cs336_systems.bench import common
 from cs336_systems.bench.baseline_lm import BaselineLM, baseline_optimizer
 from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.kernels._triton_utils import triton_ops_enabled
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
@@ -235,6 +236,8 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
     # provider is a row field; the policy is recorded as the string it was given as
     config = {k: v for k, v in asdict(case).items() if k != "provider"} | {"checkpoint": str(case.checkpoint)}
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
+    if case.provider == "ours" and case.compile and case.fused and triton_ops_enabled():
+        config["operators"] = "triton_op"  # (CS336_TRITON_OPS=1: inductor launches our pointwise kernels itself)
     common.free_memory(device)
     ranges = PhaseRanges(device, nvtx=args.nvtx, time=True)
     harness = None

@@ -41,8 +41,10 @@ def fused_model_path(doc: Document, r: Results) -> None:
     rows = rows[rows["status"] == "ok"]
     rows = rows.assign(base_execution=_execution_mode(rows))
     pointwise_by_inductor = (rows["provider"] == "ours") & ~col(rows, "fused", False).fillna(False).astype(bool)
+    triton_ops = (rows["provider"] == "ours") & (col(rows, "operators", "custom_op").fillna("custom_op") == "triton_op")
     rows = rows.assign(execution=rows["base_execution"].where(~pointwise_by_inductor,
-                                                              rows["base_execution"] + ", inductor pointwise"))
+                                                              rows["base_execution"] + ", inductor pointwise")
+                       .where(~triton_ops, rows["base_execution"] + ", triton_op"))
     # Each of our newest rows beside the baseline of its own run, in the same execution mode.
     ours_rows = latest(rows[rows["provider"] == "ours"], ["preset", "context", "execution"])
     base_rows = latest(rows[rows["provider"] == "baseline"], ["run_id", "preset", "context", "base_execution"])

@@ -67,6 +67,27 @@ def test_model_suite_compile_choices():
         build_parser().parse_args(["model", "--compile", "max"])
 
 
+def test_model_suite_rows_name_our_operators_form_under_compile(monkeypatch):
+    """A row of ours compiled with our fused kernels says `operators: triton_op` where CS336_TRITON_OPS=1 (the report
+    shows those rows apart); eager rows, the baseline's and rows without the switch carry no such field."""
+    from cs336_systems.bench.suites.model import ModelCase, row_config
+    from cs336_systems.config import ModelConfig
+
+    cfg = ModelConfig.from_name("tiny")
+    ours = ModelCase("tiny", 32, 2, "bf16", True, "ours", "triton", fused=True, compile_scope="block",
+                     compile_mode="default", optimizer="fused")
+    baseline = ModelCase("tiny", 32, 2, "bf16", True, "baseline", "sdpa", compile_scope="block",
+                         compile_mode="default", optimizer="torch-fused")
+    eager = ModelCase("tiny", 32, 2, "bf16", False, "ours", "triton", fused=True, optimizer="fused")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the switch is off under the interpreter)
+    monkeypatch.setenv("CS336_TRITON_OPS", "1")
+    assert row_config(ours, cfg)["operators"] == "triton_op"
+    assert "operators" not in row_config(baseline, cfg) and "operators" not in row_config(eager, cfg)
+    assert row_config(ours, cfg)["d_model"] == cfg.d_model and "provider" not in row_config(ours, cfg)
+    monkeypatch.setenv("CS336_TRITON_OPS", "0")
+    assert "operators" not in row_config(ours, cfg)
+
+
 def test_model_suite_sweep_and_override(tmp_path):
     main(["model", "--preset", "tiny", "--context", "16,32", "--dtype", "fp32,bf16", "--mode", "forward",
           "--num-layers", "1", "--results-dir", str(tmp_path), *FAST])

@@ -284,6 +284,25 @@ def test_stack_section_shows_ours_with_inductor_pointwise_beside_our_operators(t
     assert "ranges 0.80-0.80" in section  # each side's best mode: ours' is the inductor one
 
 
+def test_stack_section_shows_ours_with_triton_ops_apart(tmp_path):
+    """Rows of ours compiled with our operators as triton_ops (`operators: triton_op`) are a line of their own, beside
+    the same run's baseline, not merged with our custom-op rows."""
+    common = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=True,
+                  compile_mode="default", optimizer="fused", attention="triton", fused=True)
+    rows = [_row("model", "ours", "time", 60.0, **common),
+            _row("model", "ours", "time", 30.0, operators="triton_op", **common),
+            _row("model", "baseline", "time", 25.0, **common | dict(attention="sdpa", fused=False)),
+            _row("model", "baseline", "time", 24.0, **common | dict(attention="sdpa", fused=False))]
+    for row in rows[1::2]:  # the second run: ours with triton_ops, and its own baseline
+        row.update(run_id="r2", timestamp="2026-12-03T00:00:00+00:00")
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## Our stack against PyTorch"):text.index("## Fused LM head")]
+    lines = [line for line in section.splitlines() if line.startswith("| small")]
+    triton_ops = next(line for line in lines if "compiled, triton_op" in line)
+    assert triton_ops.rstrip(" |").endswith("1.25")  # 30 / 24, the baseline of its own run
+    assert any(line.rstrip(" |").endswith("2.4") for line in lines if "triton_op" not in line)  # 60 / 25
+
+
 def test_stack_profile_puts_each_phase_and_kind_of_work_beside_the_baseline(tmp_path):
     shape = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=False,
                  attention="triton", fused=True, optimizer="fused")

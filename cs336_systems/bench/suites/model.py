@@ -231,13 +231,20 @@ def _record_failure(store: ResultStore, provider: str, config: dict, metric: str
     store.add(provider=provider, config=config, metric=metric, unit="ms", status=status, message=message)
 
 
-def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
-    device = args.device
-    # provider is a row field; the policy is recorded as the string it was given as
+def row_config(case: ModelCase, cfg: ModelConfig) -> dict:
+    """A case's row config: its fields (provider is a row field of its own; the policy as the string it was given
+    as), the model's width and depth, and, where our pointwise operators run as triton_ops under torch.compile
+    (CS336_TRITON_OPS=1), `operators: triton_op`."""
     config = {k: v for k, v in asdict(case).items() if k != "provider"} | {"checkpoint": str(case.checkpoint)}
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
     if case.provider == "ours" and case.compile and case.fused and triton_ops_enabled():
-        config["operators"] = "triton_op"  # (CS336_TRITON_OPS=1: inductor launches our pointwise kernels itself)
+        config["operators"] = "triton_op"
+    return config
+
+
+def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
+    device = args.device
+    config = row_config(case, cfg)
     common.free_memory(device)
     ranges = PhaseRanges(device, nvtx=args.nvtx, time=True)
     harness = None

@@ -74,6 +74,9 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+_TRITON_AT_IMPORT = triton_installed()  # (where the triton_op forms exist; a constant, which torch.compile reads)
+
+
 def triton_ops_enabled() -> bool:
     """CS336_TRITON_OPS=1: under torch.compile, RMSNorm, the SwiGLU gate and RoPE trace as `torch.library.triton_op`s
     (their kernels launched through `wrap_triton`), so inductor launches each kernel from its own generated code
@@ -81,7 +84,7 @@ def triton_ops_enabled() -> bool:
     180-270 us of CPU self time a call under torch.profiler on the H100's host, 12 calls a block and step,
     notes/model_sizes.md). Off by default until a GPU run has measured it. Not under TRITON_INTERPRET=1, whose
     kernels would run on torch.compile's fake tensors."""
-    return os.environ.get("CS336_TRITON_OPS", "0") == "1" and not interpreting()
+    return os.environ.get("CS336_TRITON_OPS", "0") == "1" and not interpreting() and _TRITON_AT_IMPORT
 
 
 def launch_wrapped(kernel, grid: tuple, *args, **kwargs) -> None:

@@ -32,6 +32,7 @@ from cs336_systems.kernels._triton_utils import (
     launch_wrapped,
     next_power_of_2,
     runs_kernel,
+    triton_installed,
     triton_ops_enabled,
 )
 
@@ -188,28 +189,27 @@ rmsnorm_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 # The same two operators as triton_ops (`triton_ops_enabled`): torch.compile traces their bodies, so inductor launches
 # the kernels from its own code (no Python of ours per call). No fake rules: the bodies trace on fake tensors.
-@torch.library.triton_op("cs336::rmsnorm_traced", mutates_args=())
-def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+# Defined only where Triton is installed (torch warns at the definition otherwise).
+if triton_installed():
+    @torch.library.triton_op("cs336::rmsnorm_traced", mutates_args=())
+    def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped)
+        return y.view(x.shape), rstd.view(x.shape[:-1])
 
+    @torch.library.triton_op("cs336::rmsnorm_traced_backward", mutates_args=())
+    def rmsnorm_traced_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = x.shape[-1]
+        dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
+                           rstd.reshape(-1).contiguous(), launch=launch_wrapped)
+        return dx.view(x.shape), dw
 
-@torch.library.triton_op("cs336::rmsnorm_traced_backward", mutates_args=())
-def rmsnorm_traced_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d = x.shape[-1]
-    dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
-                       rstd.reshape(-1).contiguous(), launch=launch_wrapped)
-    return dx.view(x.shape), dw
+    def _traced_op_backward(ctx, grad_y, _grad_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rmsnorm_traced_backward_op(grad_y, x, weight, rstd)
+        return dx, dw, None
 
-
-def _traced_op_backward(ctx, grad_y, _grad_rstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = rmsnorm_traced_backward_op(grad_y, x, weight, rstd)
-    return dx, dw, None
-
-
-rmsnorm_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+    rmsnorm_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
 
 
 class RMSNormFunction(torch.autograd.Function):

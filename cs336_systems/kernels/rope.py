@@ -35,6 +35,7 @@ from cs336_systems.kernels._triton_utils import (
     launch_wrapped,
     next_power_of_2,
     runs_kernel,
+    triton_installed,
     triton_ops_enabled,
 )
 
@@ -163,17 +164,17 @@ rope_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 # The same operator as a triton_op (`triton_ops_enabled`; rmsnorm.py's say why).
-@torch.library.triton_op("cs336::rope_traced", mutates_args=())
-def rope_traced_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
-    return _rotate(x, pos, cache.contiguous(), sign, launch=launch_wrapped)
+# Defined only where Triton is installed (torch warns at the definition otherwise).
+if triton_installed():
+    @torch.library.triton_op("cs336::rope_traced", mutates_args=())
+    def rope_traced_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
+        return _rotate(x, pos, cache.contiguous(), sign, launch=launch_wrapped)
 
+    def _traced_op_backward(ctx, grad_out):
+        pos, cache = ctx.saved_tensors
+        return rope_traced_op(grad_out, pos, cache, -ctx.sign), None, None, None
 
-def _traced_op_backward(ctx, grad_out):
-    pos, cache = ctx.saved_tensors
-    return rope_traced_op(grad_out, pos, cache, -ctx.sign), None, None, None
-
-
-rope_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+    rope_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
 
 
 class RoPEFunction(torch.autograd.Function):

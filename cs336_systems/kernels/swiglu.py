@@ -30,6 +30,7 @@ from cs336_systems.kernels._triton_utils import (
     compiling,
     launch_wrapped,
     runs_kernel,
+    triton_installed,
     triton_ops_enabled,
 )
 
@@ -206,22 +207,21 @@ silu_mul_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 # The same two operators as triton_ops (`triton_ops_enabled`; rmsnorm.py's say why).
-@torch.library.triton_op("cs336::silu_mul_traced", mutates_args=())
-def silu_mul_traced_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _forward(a.contiguous(), b.contiguous(), launch=launch_wrapped)
+# Defined only where Triton is installed (torch warns at the definition otherwise).
+if triton_installed():
+    @torch.library.triton_op("cs336::silu_mul_traced", mutates_args=())
+    def silu_mul_traced_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _forward(a.contiguous(), b.contiguous(), launch=launch_wrapped)
 
+    @torch.library.triton_op("cs336::silu_mul_traced_backward", mutates_args=())
+    def silu_mul_traced_backward_op(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _backward(grad_y.contiguous(), a.contiguous(), b.contiguous(), launch=launch_wrapped)
 
-@torch.library.triton_op("cs336::silu_mul_traced_backward", mutates_args=())
-def silu_mul_traced_backward_op(grad_y: torch.Tensor, a: torch.Tensor, b: torch.Tensor
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward(grad_y.contiguous(), a.contiguous(), b.contiguous(), launch=launch_wrapped)
+    def _traced_op_backward(ctx, grad_y):
+        return silu_mul_traced_backward_op(grad_y, *ctx.saved_tensors)
 
-
-def _traced_op_backward(ctx, grad_y):
-    return silu_mul_traced_backward_op(grad_y, *ctx.saved_tensors)
-
-
-silu_mul_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+    silu_mul_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
 
 
 class SiluMulFunction(torch.autograd.Function):

@@ -20,6 +20,18 @@ OUT="${OUT:-/tmp/out}"
 R=/tmp/cs336_results
 mkdir -p "$OUT" "$R"
 
+# pytest on the GPU, each result a line as it comes (-v: a run stopped at its time limit still names what failed),
+# the log brought back whole as $OUT/tests_NAME.log; its failures, budget errors and summary printed.
+#   gpu_tests NAME SECONDS PYTEST_ARGS...
+gpu_tests() {
+  local log="$OUT/tests_$1.log" limit=$2
+  shift 2
+  CS336_AUTOTUNE=0 timeout "$limit" python3 -m pytest -v -n 16 -rfE -p no:cacheprovider "$@" > "$log" 2>&1
+  grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$log" | head -20
+  grep -E "^E .*(budget|Error)" "$log" | head -10
+  tail -3 "$log"
+}
+
 run_stage() {
   case "$1" in
     env)
@@ -50,22 +62,16 @@ run_stage() {
       # the normal launch bit for bit), RoPE's positions check and the fused model's cached positions, the launch
       # buffers' module; the fourth session's fp32 row statistics pass (its native plans too). The log comes back
       # whole. The GPU fuzz (both FA2 classes, every dtype at 2x) is stage tests-fuzz.
-      # -v: each result is a line as it comes, so a run stopped at its time limit still names what failed.
-      CS336_AUTOTUNE=0 timeout "${TESTS_HOST_TIMEOUT:-420}" python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+      gpu_tests host "${TESTS_HOST_TIMEOUT:-420}" \
         tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_kernels_cross_entropy.py tests/test_adapters_attention.py \
-        tests/test_recipe.py > "$OUT/tests_host.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_host.log" | head -20
-      tail -4 "$OUT/tests_host.log"
+        tests/test_recipe.py
       ;;
     tests-fuzz)
       # The numerical fuzz on the GPU: 200 shapes x fp32/bf16/fp16 x both FA2 classes, each within 2x PyTorch's own
       # error (the Triton kernels' fp32 through the row statistics pass since the fourth 2026-12-05 session; 3 min 40 s
       # with -n 16 at 4a2f69e3, CPU cases included).
-      CS336_AUTOTUNE=0 timeout "${TESTS_FUZZ_TIMEOUT:-480}" python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
-        tests/test_kernels_flash_fuzz.py -k "flash_fuzz_gpu" > "$OUT/tests_fuzz.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_fuzz.log" | head -20
-      tail -4 "$OUT/tests_fuzz.log"
+      gpu_tests fuzz "${TESTS_FUZZ_TIMEOUT:-480}" tests/test_kernels_flash_fuzz.py -k "flash_fuzz_gpu"
       ;;
     session5)
       # The fifth 2026-12-05 session's GPU call (~6 min): (1) its tests: the merged Q/K/V product and RoPE's
@@ -73,13 +79,10 @@ run_stage() {
       # and the Triton kernels' fp32 fuzz at 2x (one case, 8, failed in tests-fuzz; the run stopped at its limit with
       # 9 fp16 cases left, run here too); (2) case 8's ratios by precision and launcher; (3) where a small step's host
       # time goes with and without the merged product; (4) ours against the baseline at every size, eager, ctx 512.
-      CS336_AUTOTUNE=0 timeout 210 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+      gpu_tests session5 210 \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_kernels_flash_fuzz.py \
         -k "(triton_flash_fuzz_gpu and (fp32 or fp16-162 or fp16-183 or fp16-186 or fp16-187 or fp16-188 or fp16-190 \
-or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz" > "$OUT/tests_session5.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session5.log" | head -20
-      grep -E "^E .*(budget|Error)" "$OUT/tests_session5.log" | head -10
-      tail -3 "$OUT/tests_session5.log"
+or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz"
       for launcher in python native; do
         timeout 60 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee,tf32x3 \
           --launcher $launcher 2>&1 | tail -14
@@ -95,13 +98,9 @@ or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or n
       # stage session5 cut to what matters most. (1) the merged Q/K/V product and RoPE's dim-order output on the GPU,
       # the operators, the host profile's test, the fuzz's fp32 case 8 (the one over 2x); (2) case 8's ratios;
       # (3) ours against the baseline at small and medium, eager, ctx 512, with the merged product.
-      CS336_AUTOTUNE=0 timeout 120 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+      gpu_tests session6 120 \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_kernels_flash_fuzz.py \
-        -k "(triton_flash_fuzz_gpu and fp32-8) or ratios_script or step_host_profile or not fuzz" \
-        > "$OUT/tests_session6.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session6.log" | head -20
-      grep -E "^E .*(budget|Error)" "$OUT/tests_session6.log" | head -10
-      tail -3 "$OUT/tests_session6.log"
+        -k "(triton_flash_fuzz_gpu and fp32-8) or ratios_script or step_host_profile or not fuzz"
       timeout 30 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python 2>&1 | tail -10
       timeout 75 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
@@ -113,15 +112,11 @@ or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or n
       # gate on the GPU, the operators, the recipe, the host profile's test, the fuzz's fp32 case 8 (the one over
       # 2x) and the nine fp16 cases never run; (2) case 8's ratios; (3) a small step's host time, ours merged and
       # unmerged against the baseline; (4) ours against the baseline at every size, eager, ctx 512.
-      CS336_AUTOTUNE=0 timeout 150 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider \
+      gpu_tests session7 150 \
         tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_recipe.py \
         tests/test_kernels_flash_fuzz.py \
         -k "(triton_flash_fuzz_gpu and (fp32-8 or fp16-162 or fp16-183 or fp16-186 or fp16-187 or fp16-188 \
-or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz" \
-        > "$OUT/tests_session7.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session7.log" | head -20
-      grep -E "^E .*(budget|Error)" "$OUT/tests_session7.log" | head -10
-      tail -3 "$OUT/tests_session7.log"
+or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_profile or not fuzz"
       timeout 40 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python 2>&1 | tail -10
       timeout 120 python3 scripts/step_host_profile.py --preset small --context 512 --compile off --steps 20 \
@@ -137,10 +132,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # host time, ours with each form against the baseline; (3) ours compiled with triton_ops at every size, the
       # baseline beside it; (4) the fuzz's fp32 case 8 ratios (40 s was too short for its compile); (5) the fused
       # CE against Liger in one run.
-      CS336_AUTOTUNE=0 timeout 180 python3 -m pytest -v -n 16 -rfE -p no:cacheprovider tests/test_operators.py \
-        tests/test_kernels_rmsnorm_swiglu.py > "$OUT/tests_session8.log" 2>&1
-      grep -E "^\[gw[0-9]+\] .*(FAILED|ERROR)" "$OUT/tests_session8.log" | head -20
-      tail -3 "$OUT/tests_session8.log"
+      gpu_tests session8 180 tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py
       timeout 150 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
         --variants ours,ours-triton-ops,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
       CS336_TRITON_OPS=1 timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl \

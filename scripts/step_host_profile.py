@@ -33,6 +33,7 @@ import pstats
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -67,19 +68,9 @@ def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
     return times
 
 
-@contextlib.contextmanager
 def _environment(values: dict[str, str]):
     """These environment variables set for the block, the previous values back after it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.dict(os.environ, values)
 
 
 def main(argv: list[str] | None = None) -> int:

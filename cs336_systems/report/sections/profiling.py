@@ -307,7 +307,6 @@ def _backward_change(r: Results, context: int, dtype: str) -> str:
             "phase then holds AdamW's two moments, made at its first step: each stage has its own shape.")
 
 
-
 def _memory_timelines(doc: Document, r: Results) -> None:
     """memory_profiling (a)'s figures: each xl timeline drawn from its `memory-timeline` rows; a timeline measured
     before those rows existed is the PNG its run drew, copied and listed as missing rows."""

@@ -67,9 +67,8 @@ def _project_themselves(*linears) -> bool:
 
 def _merged_swiglu_forward(self, x):
     # One product with w1 and w3 stacked; the gate reads its two halves, and its backward writes their gradient over
-    # it, whole, for one product each of dx and dW. Not while compiling (inductor plans the products itself; the
-    # address check cannot be traced): the unmerged form then, with the gate's operator.
-    if torch.compiler.is_compiling() or not _project_themselves(self.w1, self.w3):
+    # it, whole, for one product each of dx and dW.
+    if not _project_themselves(self.w1, self.w3):
         return _fused_swiglu_forward(self, x)
     return self.w2(silu_mul_packed(merged_product(x, self.w1.weight, self.w3.weight), backward_in_place=True))
 
@@ -134,15 +133,27 @@ class MergedProjection(torch.autograd.Function):
         return grad_x, None, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
 
 
+def _traced_product(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The merged product as torch.compile traces it: the weights concatenated in the graph, where inductor makes the
+    concatenation and autocast's cast one kernel (the casts it replaces read and write as much), and autograd's own
+    backward of the product and the concatenation (one product each of dx and dW, then row blocks)."""
+    return F.linear(x, torch.cat(weights))
+
+
 def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool = False) -> tuple[torch.Tensor, ...]:
     """(x W_1^T, x W_2^T, ...) as one product (`MergedProjection`); each W_i (d_out_i, d_in). The outputs are views
     of the product, but for the last with `copy_last`."""
+    if torch.compiler.is_compiling():
+        outputs = _traced_product(x, weights).split([w.shape[0] for w in weights], dim=-1)
+        return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
     return MergedProjection.apply(x, True, copy_last, *weights)
 
 
 def merged_product(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     """x [W_1; W_2; ...]^T: the products with each W_i (d_out_i, d_in) side by side along the last dim, as one
     product whose backward takes its gradient whole (no concatenation)."""
+    if torch.compiler.is_compiling():
+        return _traced_product(x, weights)
     return MergedProjection.apply(x, False, False, *weights)
 
 
@@ -155,9 +166,9 @@ def _make_consecutive(params: list[nn.Parameter]) -> None:
 
 
 def _merged_project_qkv(self, x):
-    # Not while compiling (inductor plans the products itself; the address check cannot be traced) nor without RoPE
-    # (the attention would then save Q's and K's views, and with them the whole product, for its backward).
-    if (torch.compiler.is_compiling() or self.positional_encoder is None
+    # Not without RoPE (the attention would then save Q's and K's views, and with them the whole product, for its
+    # backward).
+    if (self.positional_encoder is None
             or not _project_themselves(self.q_proj, self.k_proj, self.v_proj)):
         return CausalMultiHeadSelfAttention.project_qkv(self, x)
     return merged_projection(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, copy_last=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session5, session6, session7, session8, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session5, session6, session7, session8, session9, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -134,7 +134,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # CE against Liger in one run.
       gpu_tests session8 180 tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py
       timeout 150 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
-        --variants ours,ours-triton-ops,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
+        --variants ours,ours-custom-ops,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
       CS336_TRITON_OPS=1 timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl \
         --context 512 --dtype bf16 --compile on,reduce-overhead --compile-scope block --provider ours,baseline \
         --attention triton --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress \
@@ -142,6 +142,26 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 120 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python 2>&1 | tail -10
       run_stage cross-entropy
+      ;;
+    session9)
+      # The eighth 2026-12-05 session's call (~9 min; carry [".whl"] for Liger): (1) the GPU tests of what it
+      # changed: our pointwise operators as triton_ops by default under torch.compile, the merged Q/K/V and w1/w3
+      # products kept when compiled (the weights concatenated in the graph), the packed SwiGLU gate's operators, the
+      # fused CE's first-chunk product and its scaling that skips a gradient of 1; (2) every size at ctx 512 eager,
+      # compiled and as CUDA graphs, ours against the baseline; (3) the fused CE against Liger at the leaderboard's
+      # shape; (4) issue 35's d 256 attention against d 128.
+      gpu_tests session9 130 tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py \
+        tests/test_kernels_cross_entropy.py -k "compile or opcheck or packed or cuda_graph or merged or cross_entropy"
+      timeout 240 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-deps --no-index --target /tmp/liger .whl/liger_kernel-*.whl \
+          && export PYTHONPATH="$PYTHONPATH:/tmp/liger"
+      fi
+      timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
+        --no-progress --results-dir "$R" 2>&1 | tail -5
+      ATTN_D256_TIMEOUT=100 run_stage attention-d256
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \
@@ -454,7 +474,8 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
       ;;
     attention-d256)
       # Issue 35's d 256 target: fwd+bwd at d 256 at most 2.5x the d 128 time at the same shape (wide-head tiles).
-      python3 -m cs336_systems.bench attention --sweep custom --batch 1 --heads 1 --seq 16384,65536,131072 \
+      timeout "${ATTN_D256_TIMEOUT:-400}" python3 -m cs336_systems.bench attention --sweep custom --batch 1 --heads 1 \
+        --seq 16384,65536,131072 \
         --d 128,256 --dtype bf16 --provider triton,sdpa-flash --pass fwd,bwd,fwd-bwd --rep-ms 200 --no-progress \
         --results-dir "$R" 2>&1 | tail -20
       ;;

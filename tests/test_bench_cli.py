@@ -68,8 +68,9 @@ def test_model_suite_compile_choices():
 
 
 def test_model_suite_rows_name_our_operators_form_under_compile(monkeypatch):
-    """A row of ours compiled with our fused kernels says `operators: triton_op` where CS336_TRITON_OPS=1 (the report
-    shows those rows apart); eager rows, the baseline's and rows without the switch carry no such field."""
+    """A row of ours compiled with our fused kernels says `operators: triton_op` (the default; the report shows those
+    rows apart from the custom-operator rows before it); eager rows, the baseline's and rows with CS336_TRITON_OPS=0
+    carry no such field."""
     from cs336_systems.bench.suites.model import ModelCase, row_config
     from cs336_systems.config import ModelConfig
 
@@ -80,6 +81,8 @@ def test_model_suite_rows_name_our_operators_form_under_compile(monkeypatch):
                          compile_mode="default", optimizer="torch-fused")
     eager = ModelCase("tiny", 32, 2, "bf16", False, "ours", "triton", fused=True, optimizer="fused")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the switch is off under the interpreter)
+    monkeypatch.delenv("CS336_TRITON_OPS", raising=False)
+    assert row_config(ours, cfg)["operators"] == "triton_op"
     monkeypatch.setenv("CS336_TRITON_OPS", "1")
     assert row_config(ours, cfg)["operators"] == "triton_op"
     assert "operators" not in row_config(baseline, cfg) and "operators" not in row_config(eager, cfg)

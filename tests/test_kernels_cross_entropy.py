@@ -218,3 +218,38 @@ def test_one_chunk_of_logits_is_alive_at_a_time(path, monkeypatch):
         lm_head_cross_entropy(h, w, t, chunk_tokens=chunk).backward()
     # fp32 inputs: both paths turn the logits into their gradient in place
     assert watch.most == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 0.37, -2.5])
+def test_scale_in_place_skips_a_scale_of_one(dtype, scale):
+    """The backward's in-place scaling (Triton on CUDA or the interpreter): t * scale in fp32, rounded once to t's
+    dtype, over a ragged last block; a scale of 1 leaves every element as it was. (The interpreter's cast to bf16
+    may round the other way: one bf16 step allowed there, none on CUDA.)"""
+    import cs336_systems.kernels.cross_entropy as ce
+    from tests._support import kernel_device
+
+    device = kernel_device()
+    t = torch.randn(3, ce.SCALE_BLOCK // 2 + 5, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    before = t.clone()
+    grad_loss = torch.tensor(scale, device=device)
+    assert ce._scale_(t, grad_loss) is t
+    step = 2 ** -7 if dtype == torch.bfloat16 and device == "cpu" and scale != 1.0 else 0
+    torch.testing.assert_close(t, (before.float() * scale).to(dtype), rtol=step, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_chunk_product_ignores_the_accumulator(dtype):
+    """The first chunk writes dW = a @ b over an uninitialised accumulator (NaN here): nothing of it is read; later
+    chunks add to it."""
+    from cs336_systems.kernels.cross_entropy import _accumulate_product_
+
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(6, 5, generator=g).to(dtype), torch.randn(5, 4, generator=g).to(dtype)
+    for acc_dtype in {dtype, torch.float32}:
+        acc = torch.full((6, 4), float("nan"), dtype=acc_dtype)
+        _accumulate_product_(acc, a, b, first=True)
+        exact = a.double() @ b.double()
+        torch.testing.assert_close(acc.double(), exact, rtol=1e-2, atol=1e-2)
+        _accumulate_product_(acc, a, b)
+        torch.testing.assert_close(acc.double(), 2 * exact, rtol=2e-2, atol=2e-2)

@@ -43,6 +43,10 @@ def _operator_cases(device: str):
     from cs336_systems.kernels.swiglu import (
         silu_mul_backward_op,
         silu_mul_op,
+        silu_mul_packed_backward_op,
+        silu_mul_packed_op,
+        silu_mul_packed_traced_backward_op,
+        silu_mul_packed_traced_op,
         silu_mul_traced_backward_op,
         silu_mul_traced_op,
     )
@@ -59,6 +63,7 @@ def _operator_cases(device: str):
     positions = torch.broadcast_to(torch.arange(5, device=device), heads.shape[:-1])
     q, k, v = (rand(2, 3, 7, 16, grad=True) for _ in range(3))
     out, lse = flash_attention_forward_op(q.detach(), k.detach(), v.detach(), True)
+    gate_up = rand(3, 2, 74, grad=True)  # (a | b) of the merged w1/w3 product, d_ff 37
     return [
         (rmsnorm_op, (x, w, 1e-5)),
         (rmsnorm_backward_op, (rand(2, 3, 24), x.detach(), w.detach(), rand(2, 3).abs() + 0.5)),
@@ -75,12 +80,17 @@ def _operator_cases(device: str):
         (silu_mul_traced_op, (a, b)),
         (silu_mul_traced_backward_op, (rand(3, 37), a.detach(), b.detach())),
         (rope_traced_op, (heads, positions, cache, 1.0)),
+        (silu_mul_packed_op, (gate_up,)),
+        (silu_mul_packed_backward_op, (rand(3, 2, 37), gate_up.detach())),
+        (silu_mul_packed_traced_op, (gate_up,)),
+        (silu_mul_packed_traced_backward_op, (rand(3, 2, 37), gate_up.detach())),
     ]
 
 
 OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "rope", "lm_head_cross_entropy",
              "flash_attention_forward", "flash_attention_backward", "rmsnorm_traced", "rmsnorm_traced_backward",
-             "silu_mul_traced", "silu_mul_traced_backward", "rope_traced"]
+             "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "silu_mul_packed",
+             "silu_mul_packed_backward", "silu_mul_packed_traced", "silu_mul_packed_traced_backward"]
 
 
 @pytest.mark.parametrize("index", range(len(OPERATORS)), ids=OPERATORS)
@@ -95,7 +105,7 @@ def test_opcheck_kernels(index):
     fake-tensor check would run the interpreter's kernels on fake tensors)."""
     from cs336_systems.kernels._triton_utils import interpreting
 
-    if OPERATORS[index].startswith(("rmsnorm_traced", "silu_mul_traced", "rope_traced")) and interpreting():
+    if "_traced" in OPERATORS[index] and interpreting():
         pytest.skip("triton_ops trace their kernels through wrap_triton, which the interpreter cannot fake")
     operator, args = _operator_cases(kernel_device())[index]
     torch.library.opcheck(operator, args)
@@ -115,7 +125,7 @@ def test_triton_op_bodies_trace_to_one_kernel_node_per_launch(monkeypatch, reque
     from cs336_systems.kernels._triton_utils import launch_wrapped
 
     # Compiled (not interpreted) kernels, as on a GPU: made afresh with the interpreter off, and dropped after.
-    kernel_caches = (rmsnorm_module._kernels, rope_module._kernel, swiglu_module._kernels)
+    kernel_caches = (rmsnorm_module._kernels, rope_module._kernel, swiglu_module._kernels, swiglu_module._packed_kernel)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for cached in kernel_caches:
         cached.cache_clear()
@@ -134,6 +144,9 @@ def test_triton_op_bodies_trace_to_one_kernel_node_per_launch(monkeypatch, reque
          (meta(3, 37), meta(3, 37), meta(3, 37))),
         (lambda x, pos, cache: rope_module._rotate(x, pos, cache, 1.0, launch=launch_wrapped),
          (heads, torch.broadcast_to(torch.arange(5, device="meta"), heads.shape[:-1]), cache)),
+        (lambda gate_up: swiglu_module._packed_forward(gate_up, launch=launch_wrapped), (meta(3, 74),)),
+        (lambda dy, gate_up: swiglu_module._packed_backward(dy, gate_up, False, launch=launch_wrapped),
+         (meta(3, 37), meta(3, 74))),
     ]
     for body, inputs in bodies:
         graph = make_fx(body, tracing_mode=tracing_mode)(*inputs)
@@ -221,7 +234,8 @@ def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths, mon
     import cs336_systems.kernels.swiglu as swiglu_module
 
     monkeypatch.setenv("CS336_TRITON_OPS", triton_ops)
-    for module, name in [(rmsnorm_module, "rmsnorm"), (swiglu_module, "silu_mul"), (rope_module, "rope")]:
+    for module, name in [(rmsnorm_module, "rmsnorm"), (swiglu_module, "silu_mul"), (swiglu_module, "silu_mul_packed"),
+                         (rope_module, "rope")]:
         unused = f"{name}_op" if triton_ops == "1" else f"{name}_traced_op"  # the other form must not be traced
 
         def refuse(*args, _unused=unused):
@@ -231,6 +245,39 @@ def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths, mon
     graphs = _compiled_step_matches_eager([("tiny", (24, 40)), ("small", (16, 33))], "cpu", attention="triton",
                                           fused=True, fused_rope=True)
     assert graphs == 2
+
+
+def test_compiled_model_makes_one_product_per_merged_group(cpu_maths):
+    """Compiled, the fused model keeps its merged products (one for Q/K/V, one for w1/w3), as eager does: per block
+    4 products forward (QKV, output, w1/w3, w2) and 8 backward, where separate projections take 7 and 14 (each
+    product a kernel launch and, at small sizes, host time). Counted in the graphs AOTAutograd hands inductor."""
+    import torch._dynamo.testing
+
+    from cs336_basics.nn_utils import cross_entropy
+    from cs336_systems.config import ModelConfig
+    from cs336_systems.recipe import Recipe, attention_context, build_model
+
+    counts = {}
+    for merge in (True, False):
+        recipe = Recipe(attention="triton", fused=True, fused_rope=True, merge_projections=merge)
+        cfg = ModelConfig.from_name("tiny", context_length=16, num_layers=2)
+        model = build_model(cfg, recipe, "cpu")
+        backend = torch._dynamo.testing.AotEagerAndRecordGraphs()
+        tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        torch._dynamo.reset()
+        with attention_context(recipe):
+            loss = cross_entropy(torch.compile(model, backend=backend, fullgraph=True)(tokens).float(), tokens)
+            loss.backward()
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            cross_entropy(model(tokens).float(), tokens).backward()
+        for name, p in model.named_parameters():  # the merged graph computes the eager model's gradients
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+        counts[merge] = [sum(node.target is torch.ops.aten.mm.default for graph in graphs for node in graph.graph.nodes)
+                         for graphs in (backend.fw_graphs, backend.bw_graphs)]
+    head = [1, 2]  # the LM head's product, forward and backward
+    assert counts[True] == [2 * 4 + head[0], 2 * 8 + head[1]], counts
+    assert counts[False] == [2 * 7 + head[0], 2 * 14 + head[1]], counts
 
 
 @pytest.mark.gpu
@@ -376,7 +423,7 @@ def test_step_host_profile_script_runs(tmp_path):
 
 
 def test_host_profile_variant_environment_is_set_and_restored(monkeypatch):
-    """scripts/step_host_profile.py's `ours-triton-ops` variant runs with CS336_TRITON_OPS=1 and leaves the
+    """scripts/step_host_profile.py's `ours-custom-ops` variant runs with CS336_TRITON_OPS=0 and leaves the
     environment as it found it (set, unset, or with the user's own value)."""
     import importlib.util
     import os
@@ -386,12 +433,12 @@ def test_host_profile_variant_environment_is_set_and_restored(monkeypatch):
     spec = importlib.util.spec_from_file_location("step_host_profile", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.VARIANT_ENVIRONMENT["ours-triton-ops"] == {"CS336_TRITON_OPS": "1"}
-    for before in (None, "0"):
+    assert script.VARIANT_ENVIRONMENT["ours-custom-ops"] == {"CS336_TRITON_OPS": "0"}
+    for before in (None, "1"):
         if before is None:
             monkeypatch.delenv("CS336_TRITON_OPS", raising=False)
         else:
             monkeypatch.setenv("CS336_TRITON_OPS", before)
-        with script._environment({"CS336_TRITON_OPS": "1"}):
-            assert os.environ["CS336_TRITON_OPS"] == "1"
+        with script._environment({"CS336_TRITON_OPS": "0"}):
+            assert os.environ["CS336_TRITON_OPS"] == "0"
         assert os.environ.get("CS336_TRITON_OPS") == before

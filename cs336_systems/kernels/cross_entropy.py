@@ -16,16 +16,18 @@ Between the GEMMs, on CUDA (and under TRITON_INTERPRET=1) one Triton kernel per 
 in fp32 with an online max, writes the token's loss, and overwrites the logits in place with their
 gradient: two reads and one write of the chunk, where the eager chain (fp32 copy, logsumexp, gather,
 subtract, exp, scatter, scale, cast back) moved about six times as many bytes. dW accumulates in
-fp32 inside the GEMM (`addmm(..., out_dtype=float32)` with beta 1, where torch has it) rather than
-through a 16-bit product, an fp32 copy of it and an add. Peak extra memory: one chunk's logits in
-the input dtype, dH and the fp32 dW accumulator. Elsewhere (CPU without the interpreter, fp64) the
-same maths runs eagerly in fp32 (fp64 stays fp64).
+fp32 inside the GEMM (`addmm(..., out_dtype=float32)`, where torch has it; beta 0 for the first
+chunk, so the accumulator is never zeroed) rather than through a 16-bit product, an fp32 copy of it
+and an add. Peak extra memory: one chunk's logits in the input dtype, dH and the fp32 dW accumulator.
+Elsewhere (CPU without the interpreter, fp64) the same maths runs eagerly in fp32 (fp64 stays fp64).
 
 `weight_grad_accumulation="weight"` trades precision for memory as Liger-Kernel does: dW accumulates in the
 weight's own dtype (the GEMM's fp32 epilogue adds each chunk and rounds once per chunk, so its error grows with
 the number of chunks), and the backward scales dH and dW in place: then the extra memory is one chunk's logits,
-dH and dW, which is the gradient the weight gets anyway. The eager backward hands over the gradients it formed
-in the forward, so a second backward through the same loss (retain_graph) is refused.
+dH and dW, which is the gradient the weight gets anyway; where the loss's incoming gradient is 1 (a plain
+`loss.backward()`), that scaling is a kernel that reads the 1 on the device and writes nothing. The eager
+backward hands over the gradients it formed in the forward, so a second backward through the same loss
+(retain_graph) is refused.
 
 `ignore_index` targets contribute neither loss nor gradient and are left out of the mean.
 `reduction` is "mean" (over non-ignored tokens) or "sum".
@@ -111,6 +113,39 @@ def _kernel():
     return softmax_xent_grad_kernel
 
 
+@functools.cache
+def _scale_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_unless_one_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+        """x *= scale in place (in fp32, rounded to x's dtype), where the scale read on the device is not 1."""
+        scale = tl.load(scale_ptr).to(tl.float32)
+        if scale != 1.0:
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+            tl.store(x_ptr + offs, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+    return scale_unless_one_kernel
+
+
+SCALE_BLOCK = 8192
+
+
+def _scale_(t: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """t *= grad_loss in place, t contiguous. The loss's incoming gradient is 1 in a plain `loss.backward()`:
+    the kernel then reads that one scalar and leaves t untouched, where a multiply would read and write all of it
+    (the 8B head's dW: 1.2 GB each way), without the host sync that asking the value would cost."""
+    if not (_uses_kernel(t) and t.is_contiguous()):
+        return t.mul_(grad_loss.to(t.dtype))
+    if t.numel():
+        launch_plan.launch(_scale_kernel(), (-(-t.numel() // SCALE_BLOCK),), t, grad_loss.reshape(()).float(),
+                           t.numel(), BLOCK=SCALE_BLOCK, num_warps=8)
+    return t
+
+
 def _uses_kernel(hidden: torch.Tensor) -> bool:
     return hidden.dtype in KERNEL_DTYPES and (hidden.is_cuda or (hidden.device.type == "cpu" and interpreting()))
 
@@ -147,12 +182,17 @@ def _addmm_out_dtype_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc (fp32 or fp64) += a @ b, with a and b in their own dtype (tensor cores, fp32 accumulation)."""
+def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """acc += a @ b, with a and b in their own dtype (tensor cores, fp32 accumulation); acc in theirs or wider.
+    `first`: acc = a @ b, acc's contents never read (it may be uninitialised: the GEMM's beta is 0, so no pass
+    over it to zero it first, nor a read of those zeros)."""
+    beta = 0 if first else 1
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, beta=beta, out=acc)
     elif a.is_cuda and _addmm_out_dtype_works(a.device.type, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # accumulated in the GEMM's epilogue
+        torch.addmm(acc, a, b, beta=beta, out_dtype=acc.dtype, out=acc)  # accumulated in the GEMM's epilogue
+    elif first:
+        acc.copy_(a @ b)
     else:
         acc += (a @ b).to(acc.dtype)
 
@@ -170,7 +210,10 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
     loss = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(h2d) if need_hidden else None
     grad_w_dtype = weight.dtype if weight_grad_accumulation == "weight" else acc
-    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=grad_w_dtype) if need_weight else None
+    grad_w = None
+    if need_weight:  # (written whole by the first chunk's product; zeros only where there is no chunk)
+        grad_w = (torch.empty if h2d.shape[0] else torch.zeros)(weight.shape, device=weight.device,
+                                                                dtype=grad_w_dtype)
     kernel = _uses_kernel(hidden)
     for start in range(0, h2d.shape[0], chunk_tokens):
         h = h2d[start:start + chunk_tokens]  # (c, d)
@@ -187,7 +230,7 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
         if grad_h is not None:
             torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
         if grad_w is not None:
-            _accumulate_product_(grad_w, grad_logits.T, h)
+            _accumulate_product_(grad_w, grad_logits.T, h, first=start == 0)
         # Free this chunk's logits before the next chunk's product allocates its own: otherwise both are alive at
         # that moment and the loss's peak holds two chunks (1.16 GiB each at 4096 x 151936 in bf16).
         del logits, grad_logits
@@ -257,10 +300,10 @@ class LMHeadCrossEntropyFunction(torch.autograd.Function):
                                "again instead of retain_graph=True)")
         ctx.handed_over = True
         grad_h, grad_w = ctx.saved_tensors
-        dh = grad_h.mul_(grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape) if ctx.has[0] else None
+        dh = _scale_(grad_h, grad_loss).view(ctx.hidden_shape) if ctx.has[0] else None
         dw = None
         if ctx.has[1]:
-            dw = (grad_w.mul_(grad_loss.to(grad_w.dtype)) if grad_w.dtype == ctx.weight_dtype
+            dw = (_scale_(grad_w, grad_loss) if grad_w.dtype == ctx.weight_dtype
                   else _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype))
         return dh, dw, None, None, None, None, None
 

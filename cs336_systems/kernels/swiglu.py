@@ -9,8 +9,8 @@ fused Function saves only a and b and recomputes sigmoid in backward:
     s = sigmoid(a),  da = dy * b * s * (1 + a * (1 - s)),  db = dy * a * s.
 Elementwise over the flattened tensors, fp32 in registers, results in the inputs' dtype.
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
-Layers as rmsnorm.py's: reference, kernels, launchers, the operators `cs336::silu_mul(_backward)`, the eager
-Function, `silu_mul`.
+Layers as rmsnorm.py's: reference, kernels, launchers, the operators `cs336::silu_mul(_backward)` and
+`cs336::silu_mul_packed(_backward)` (and their triton_op forms), the eager Functions, `silu_mul`.
 
 `silu_mul_packed(gate_up)` is the same gate over one (..., 2 d_ff) tensor whose first half of each row is a and
 second half b: the output of one product with w1 and w3 stacked (`fused_model.merged_product`). Its backward
@@ -141,8 +141,8 @@ def _packed_grid(rows: int, d_ff: int):
     return (rows, (d_ff + BLOCK - 1) // BLOCK)
 
 
-def _packed_forward(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(a) * b of a contiguous (..., 2 d_ff) gate_up = (a | b), as (..., d_ff)."""
+def _packed_forward(gate_up: torch.Tensor, launch=launch_plan.launch) -> torch.Tensor:
+    """silu(a) * b of a contiguous (..., 2 d_ff) gate_up = (a | b), as (..., d_ff). `launch` as `_forward`'s."""
     d_ff = gate_up.shape[-1] // 2
     if not runs_kernel(gate_up):
         acc = torch.promote_types(gate_up.dtype, torch.float32)
@@ -150,12 +150,13 @@ def _packed_forward(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty(gate_up.shape[:-1] + (d_ff,))
     rows = y.numel() // max(d_ff, 1)
     if y.numel():  # (dy is not read going forward: gate_up stands in for it)
-        launch_plan.launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, gate_up, y, d_ff, 2 * d_ff, 0, d_ff,
-                           BACKWARD=False, BLOCK=BLOCK)
+        launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, gate_up, y, d_ff, 2 * d_ff, 0, d_ff,
+               BACKWARD=False, BLOCK=BLOCK)
     return y
 
 
-def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool) -> torch.Tensor:
+def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool,
+                     launch=launch_plan.launch) -> torch.Tensor:
     """(da | db) of contiguous tensors, shaped as gate_up; with `in_place` written over gate_up (each element is
     read before its gradient is stored there; the version counter is bumped as `_backward`'s)."""
     d_ff = gate_up.shape[-1] // 2
@@ -167,8 +168,8 @@ def _packed_backward(grad_y: torch.Tensor, gate_up: torch.Tensor, in_place: bool
     grad = gate_up if in_place else torch.empty_like(gate_up)
     rows = grad_y.numel() // max(d_ff, 1)
     if grad_y.numel():
-        launch_plan.launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, grad_y, grad, d_ff, 2 * d_ff, d_ff,
-                           2 * d_ff, BACKWARD=True, BLOCK=BLOCK)
+        launch(_packed_kernel(), _packed_grid(rows, d_ff), gate_up, grad_y, grad, d_ff, 2 * d_ff, d_ff, 2 * d_ff,
+               BACKWARD=True, BLOCK=BLOCK)
     return grad
 
 
@@ -206,6 +207,34 @@ def _op_backward(ctx, grad_y):
 silu_mul_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+# The packed gate's operators (out of place: inductor plans its own buffers).
+@torch.library.custom_op("cs336::silu_mul_packed", mutates_args=())
+def silu_mul_packed_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _packed_forward(gate_up.contiguous())
+
+
+@silu_mul_packed_op.register_fake
+def _(gate_up):
+    return gate_up.new_empty(gate_up.shape[:-1] + (gate_up.shape[-1] // 2,))
+
+
+@torch.library.custom_op("cs336::silu_mul_packed_backward", mutates_args=())
+def silu_mul_packed_backward_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return _packed_backward(grad_y.contiguous(), gate_up.contiguous(), in_place=False)
+
+
+@silu_mul_packed_backward_op.register_fake
+def _(grad_y, gate_up):
+    return torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+
+
+def _packed_op_backward(ctx, grad_y):
+    return silu_mul_packed_backward_op(grad_y, *ctx.saved_tensors)
+
+
+silu_mul_packed_op.register_autograd(_packed_op_backward, setup_context=_setup_context)
+
+
 # The same two operators as triton_ops (`triton_ops_enabled`; rmsnorm.py's say why).
 # Defined only where Triton is installed (torch warns at the definition otherwise).
 if triton_installed():
@@ -222,6 +251,19 @@ if triton_installed():
         return silu_mul_traced_backward_op(grad_y, *ctx.saved_tensors)
 
     silu_mul_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+
+    @torch.library.triton_op("cs336::silu_mul_packed_traced", mutates_args=())
+    def silu_mul_packed_traced_op(gate_up: torch.Tensor) -> torch.Tensor:
+        return _packed_forward(gate_up.contiguous(), launch=launch_wrapped)
+
+    @torch.library.triton_op("cs336::silu_mul_packed_traced_backward", mutates_args=())
+    def silu_mul_packed_traced_backward_op(grad_y: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        return _packed_backward(grad_y.contiguous(), gate_up.contiguous(), in_place=False, launch=launch_wrapped)
+
+    def _packed_traced_op_backward(ctx, grad_y):
+        return silu_mul_packed_traced_backward_op(grad_y, *ctx.saved_tensors)
+
+    silu_mul_packed_traced_op.register_autograd(_packed_traced_op_backward, setup_context=_setup_context)
 
 
 class SiluMulFunction(torch.autograd.Function):
@@ -279,12 +321,14 @@ class SiluMulPackedFunction(torch.autograd.Function):
 def silu_mul_packed(gate_up: torch.Tensor, *, backward_in_place: bool = False) -> torch.Tensor:
     """silu(a) * b for gate_up = (a | b) along its last dim (..., 2 d_ff): the fused gate over one product of x with
     w1 and w3 stacked. Its gradient is one tensor shaped as gate_up (`backward_in_place`: written over it, as
-    `silu_mul`'s). For torch.compile, `silu_mul` on the two halves (its operator) is the traceable form."""
+    `silu_mul`'s; under torch.compile, where its operator runs, out of place)."""
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"silu_mul_packed: gate_up's last dim must be even (a | b), got shape {tuple(gate_up.shape)}")
     if not gate_up.dtype.is_floating_point:
         raise TypeError(f"silu_mul_packed: gate_up must be floating point, got {gate_up.dtype}")
     check_operator_device("silu_mul_packed", gate_up)
+    if compiling():
+        return (silu_mul_packed_traced_op if triton_ops_enabled() else silu_mul_packed_op)(gate_up)
     if backward_in_place and torch.is_grad_enabled() and gate_up.requires_grad and gate_up.is_leaf:
         raise ValueError("silu_mul_packed: backward_in_place=True writes the gradient over gate_up, so it may not be "
                          "a leaf tensor (the caller's own data); got a leaf: pass backward_in_place=False")

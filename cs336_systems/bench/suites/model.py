@@ -234,7 +234,7 @@ def _record_failure(store: ResultStore, provider: str, config: dict, metric: str
 def row_config(case: ModelCase, cfg: ModelConfig) -> dict:
     """A case's row config: its fields (provider is a row field of its own; the policy as the string it was given
     as), the model's width and depth, and, where our pointwise operators run as triton_ops under torch.compile
-    (CS336_TRITON_OPS=1), `operators: triton_op`."""
+    (the default; CS336_TRITON_OPS=0 turns them off), `operators: triton_op`."""
     config = {k: v for k, v in asdict(case).items() if k != "provider"} | {"checkpoint": str(case.checkpoint)}
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
     if case.provider == "ours" and case.compile and case.fused and triton_ops_enabled():

@@ -59,9 +59,22 @@ def _linear_forward(self, x):
     return F.linear(x, self.weight)
 
 
+def forward_taken_over(linear: nn.Module) -> None:
+    """Mark a Linear whose forward a wrapper has replaced (our FSDP gathers the sharded weight there): the merged
+    products that include it step aside for it, eagerly and under torch.compile."""
+    linear._forward_taken_over = True
+
+
 def _project_themselves(*linears) -> bool:
-    """Whether each Linear still runs the product `apply_fused_kernels` gave it, on its own whole weight. A wrapper
-    that replaces a Linear's forward (our FSDP gathers a sharded weight in it) makes the merged product step aside."""
+    """Whether each Linear still runs the product `apply_fused_kernels` gave it, on its own whole weight. Eagerly,
+    a wrapper that replaced a Linear's forward shows in the forward's identity; under torch.compile only the mark of
+    `forward_taken_over` is read: dynamo (torch 2.11) did not resolve that identity, and the merge was silently off
+    in every compiled graph (21 products a block where 12 are needed). A wrapper that replaces a Linear's forward
+    under torch.compile must call `forward_taken_over`."""
+    if any(linear._forward_taken_over for linear in linears):
+        return False
+    if torch.compiler.is_compiling():
+        return True
     return all(getattr(linear.forward, "__func__", None) is _linear_forward for linear in linears)
 
 
@@ -215,6 +228,7 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projectio
             patched += 1
         elif isinstance(module, Linear):
             module.forward = types.MethodType(_linear_forward, module)
+            module._forward_taken_over = getattr(module, "_forward_taken_over", False)
     if not patched:
         raise ValueError(f"apply_fused_kernels: {type(model).__name__} has no RMSNorm or SwiGLU modules")
     return model

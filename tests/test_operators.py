@@ -250,18 +250,22 @@ def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths, mon
 def test_compiled_model_makes_one_product_per_merged_group(cpu_maths):
     """Compiled, the fused model keeps its merged products (one for Q/K/V, one for w1/w3), as eager does: per block
     4 products forward (QKV, output, w1/w3, w2) and 8 backward, where separate projections take 7 and 14 (each
-    product a kernel launch and, at small sizes, host time). Counted in the graphs AOTAutograd hands inductor."""
+    product a kernel launch and, at small sizes, host time). Counted in the graphs AOTAutograd hands inductor. A
+    Linear marked `forward_taken_over` (our FSDP's) makes its group's merged product step aside."""
     import torch._dynamo.testing
 
     from cs336_basics.nn_utils import cross_entropy
     from cs336_systems.config import ModelConfig
+    from cs336_systems.fused_model import forward_taken_over
     from cs336_systems.recipe import Recipe, attention_context, build_model
 
     counts = {}
-    for merge in (True, False):
-        recipe = Recipe(attention="triton", fused=True, fused_rope=True, merge_projections=merge)
+    for merge in (True, False, "one taken over"):
+        recipe = Recipe(attention="triton", fused=True, fused_rope=True, merge_projections=bool(merge))
         cfg = ModelConfig.from_name("tiny", context_length=16, num_layers=2)
         model = build_model(cfg, recipe, "cpu")
+        if merge == "one taken over":  # as our FSDP marks a Linear whose forward it replaced
+            forward_taken_over(model.layers[0].attn.k_proj)
         backend = torch._dynamo.testing.AotEagerAndRecordGraphs()
         tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         torch._dynamo.reset()
@@ -278,6 +282,7 @@ def test_compiled_model_makes_one_product_per_merged_group(cpu_maths):
     head = [1, 2]  # the LM head's product, forward and backward
     assert counts[True] == [2 * 4 + head[0], 2 * 8 + head[1]], counts
     assert counts[False] == [2 * 7 + head[0], 2 * 14 + head[1]], counts
+    assert counts["one taken over"] == [2 * 4 + 2 + head[0], 2 * 8 + 4 + head[1]], counts  # that Q/K/V steps aside
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ import torch.nn as nn
 from einops import einsum
 
 from cs336_basics.model import Embedding, Linear
+from cs336_systems.fused_model import forward_taken_over
 from cs336_systems.parallel import comm
 from cs336_systems.parallel.ddp import average_coalesced, broadcast_from_rank0
 from cs336_systems.parallel.exact_gradients import ExactGradients, original_forward
@@ -142,6 +143,7 @@ class FSDP(nn.Module):
         self._units.append(unit)
         self._unit_of[id(sub)] = unit
         sub.forward = lambda x, unit=unit: _ShardedForward.apply(x, unit.shard, unit, self)
+        forward_taken_over(sub)  # (a merged product of our fused model steps aside for it, compiled too)
 
     def forward(self, *args, **kwargs):
         if self._order and not self._order_known:

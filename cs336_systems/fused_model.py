@@ -1,6 +1,7 @@
 """Our fused kernels installed on a built BasicsTransformerLM, from outside.
 
-`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm and of every `SwiGLU`
+`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm (a block's two norms
+store autocast's dtype, which their products would cast to anyway) and of every `SwiGLU`
 to `w2(gate(w1 x, w3 x))` with the fused gate; with `rope=True` also every `RotaryEmbedding` to the fused RoPE (the
 leaderboard's default with its fused kernels), and every attention module then takes its token positions from one
 cached `arange` per length and device: the model made a new one in every layer and step, and RoPE's on-device range
@@ -39,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
@@ -47,6 +48,15 @@ from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
 
 def _fused_rmsnorm_forward(self, x):
     return rmsnorm(x, self.weight, self.eps)
+
+
+def _fused_block_norm_forward(self, x):
+    # A block's two norms feed products only (Q/K/V, w1/w3), which autocast casts to its dtype: the kernel stores
+    # that dtype itself (the same values, one rounding of the fp32 result), with no fp32 output and cast kernel
+    # going forward nor the gradient's cast back.
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    return rmsnorm(x, self.weight, self.eps, out_dtype=dtype)
 
 
 def _fused_swiglu_forward(self, x):
@@ -208,6 +218,8 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projectio
     `model`, the layout-keeping product on every Linear, and (`merge_projections`) one Q/K/V product per attention
     and one w1/w3 product per SwiGLU; returns `model`."""
     patched = 0
+    block_norms = {id(norm) for block in model.modules() if isinstance(block, TransformerBlock)
+                   for norm in (block.ln1, block.ln2)}
     for module in model.modules():
         if merge_projections and isinstance(module, CausalMultiHeadSelfAttention):
             _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
@@ -218,7 +230,8 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projectio
         if rope and isinstance(module, CausalMultiHeadSelfAttention) and module.positional_encoder is not None:
             module.forward = types.MethodType(_attention_with_cached_positions, module)
         if isinstance(module, RMSNorm):
-            module.forward = types.MethodType(_fused_rmsnorm_forward, module)
+            module.forward = types.MethodType(
+                _fused_block_norm_forward if id(module) in block_norms else _fused_rmsnorm_forward, module)
             patched += 1
         elif isinstance(module, SwiGLU):
             if merge_projections:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session5, session6, session7, session8, session9, session10, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -173,6 +173,16 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
       timeout 100 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
         --variants ours,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -4
+      ;;
+    session11)
+      # The eighth 2026-12-05 session's short last call (~90 s): the block norms storing autocast's dtype
+      # (`rmsnorm(..., out_dtype=)`) on the GPU: its tests and opcheck, and small/medium at ctx 512 compiled and as
+      # CUDA graphs against the baseline.
+      gpu_tests session11 45 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
+        -k "out_dtype or autocast_dtype or (opcheck and rmsnorm) or one_product"
+      timeout 45 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
+        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -9
       ;;
     attention)
       python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-flash,sdpa-cudnn \

@@ -80,6 +80,8 @@ def _operator_cases(device: str):
         (silu_mul_traced_op, (a, b)),
         (silu_mul_traced_backward_op, (rand(3, 37), a.detach(), b.detach())),
         (rope_traced_op, (heads, positions, cache, 1.0)),
+        (rmsnorm_op, (x, w, 1e-5, torch.float16)),
+        (rmsnorm_traced_op, (x, w, 1e-5, torch.float16)),
         (silu_mul_packed_op, (gate_up,)),
         (silu_mul_packed_backward_op, (rand(3, 2, 37), gate_up.detach())),
         (silu_mul_packed_traced_op, (gate_up,)),
@@ -89,7 +91,8 @@ def _operator_cases(device: str):
 
 OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "rope", "lm_head_cross_entropy",
              "flash_attention_forward", "flash_attention_backward", "rmsnorm_traced", "rmsnorm_traced_backward",
-             "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "silu_mul_packed",
+             "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "rmsnorm_to_fp16", "rmsnorm_traced_to_fp16",
+             "silu_mul_packed",
              "silu_mul_packed_backward", "silu_mul_packed_traced", "silu_mul_packed_traced_backward"]
 
 

@@ -105,16 +105,17 @@ def _num_warps(block_d: int) -> int:
     return min(16, max(1, block_d // 256))
 
 
-def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, launch=launch_plan.launch
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) of contiguous rows: the kernel where it runs (`runs_kernel`), the reference maths elsewhere.
-    `launch`: `launch_plan.launch` (eager), or `launch_wrapped` inside a triton_op."""
+def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, launch=launch_plan.launch,
+             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd) of contiguous rows, y in `out_dtype` (default x's): the kernel where it runs (`runs_kernel`), the
+    reference maths elsewhere. `launch`: `launch_plan.launch` (eager), or `launch_wrapped` inside a triton_op."""
+    out_dtype = out_dtype or x2d.dtype
     if not runs_kernel(x2d):
         acc = torch.promote_types(x2d.dtype, torch.float32)
         rstd = torch.rsqrt(x2d.to(acc).pow(2).mean(-1) + eps)
-        return (x2d.to(acc) * rstd[:, None] * weight.to(acc)).to(x2d.dtype), rstd.to(torch.float32)
+        return (x2d.to(acc) * rstd[:, None] * weight.to(acc)).to(out_dtype), rstd.to(torch.float32)
     forward_kernel, _ = _kernels()
-    y = torch.empty_like(x2d)
+    y = torch.empty_like(x2d, dtype=out_dtype)
     rstd = torch.empty(x2d.shape[0], device=x2d.device, dtype=torch.float32)
     block_d = _block_d(int(x2d.shape[1]))  # (a constexpr: a traced width is specialised on)
     if x2d.shape[0]:
@@ -125,7 +126,7 @@ def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, launch=launch_
 
 def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
               launch=launch_plan.launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw in weight's dtype) of contiguous rows."""
+    """(dx in x's dtype, dw in weight's) of contiguous rows; grad_y in any float dtype (the output's)."""
     rows, d = x2d.shape
     if not runs_kernel(x2d):
         acc = torch.promote_types(x2d.dtype, torch.float32)
@@ -149,14 +150,16 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
 # The registered operators: what torch.compile sees (`compiling`). The forward returns rstd too,
 # so the backward operator reuses it; rows are flattened inside, so one graph serves every leading shape.
 @torch.library.custom_op("cs336::rmsnorm", mutates_args=())
-def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps)
+def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, out_dtype=out_dtype)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
 @rmsnorm_op.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _(x, weight, eps, out_dtype=None):
+    return (torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=torch.contiguous_format),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 @torch.library.custom_op("cs336::rmsnorm_backward", mutates_args=())
@@ -174,14 +177,14 @@ def _(grad_y, x, weight, rstd):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight = inputs[:2]
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _op_backward(ctx, grad_y, _grad_rstd):
     x, weight, rstd = ctx.saved_tensors
     dx, dw = rmsnorm_backward_op(grad_y, x, weight, rstd)
-    return dx, dw, None
+    return dx, dw, None, None
 
 
 rmsnorm_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -192,8 +195,10 @@ rmsnorm_op.register_autograd(_op_backward, setup_context=_setup_context)
 # Defined only where Triton is installed (torch warns at the definition otherwise).
 if triton_installed():
     @torch.library.triton_op("cs336::rmsnorm_traced", mutates_args=())
-    def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped)
+    def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped,
+                           out_dtype=out_dtype)
         return y.view(x.shape), rstd.view(x.shape[:-1])
 
     @torch.library.triton_op("cs336::rmsnorm_traced_backward", mutates_args=())
@@ -207,7 +212,7 @@ if triton_installed():
     def _traced_op_backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rmsnorm_traced_backward_op(grad_y, x, weight, rstd)
-        return dx, dw, None
+        return dx, dw, None, None
 
     rmsnorm_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
 
@@ -216,9 +221,9 @@ class RMSNormFunction(torch.autograd.Function):
     """The eager path: the same launchers as the operators, without their dispatch cost."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float):
+    def forward(ctx, x, weight, eps: float, out_dtype=None):
         x2d = x.reshape(-1, x.shape[-1]).contiguous()  # (rows, d)
-        y, rstd = _forward(x2d, weight, eps)
+        y, rstd = _forward(x2d, weight, eps, out_dtype=out_dtype)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.x_shape = x.shape
         return y.view(x.shape)
@@ -227,20 +232,30 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x2d, weight, rstd = ctx.saved_tensors
         dx, dw = _backward(grad_y.reshape(x2d.shape).contiguous(), x2d, weight, rstd)
-        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None
+        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """Fused RMSNorm. x (..., d) fp32/bf16/fp16, weight (d,) -> (..., d) in x's dtype."""
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fused RMSNorm. x (..., d) fp32/bf16/fp16, weight (d,) -> (..., d) in `out_dtype` (default x's).
+
+    out_dtype: the fp32 result rounded once to this dtype as it is stored, e.g. autocast's bf16 where the next op
+    is a product that would cast it anyway: the same values, without an fp32 tensor and a cast kernel each way
+    (the gradient arrives in that dtype and is read as it is). dx stays in x's dtype."""
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rmsnorm: weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if x.shape[-1] > MAX_D:
         raise ValueError(f"rmsnorm: the last dim must be at most {MAX_D} (one row in registers), got {x.shape[-1]}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"rmsnorm: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"rmsnorm: out_dtype must be None, float32, bfloat16 or float16, got {out_dtype}")
     if eps <= 0:
         raise ValueError(f"rmsnorm: eps must be positive, got {eps}")
     check_operator_device("rmsnorm", x, weight)
     if compiling():
-        return (rmsnorm_traced_op if triton_ops_enabled() else rmsnorm_op)(x, weight, eps)[0]
-    return RMSNormFunction.apply(x, weight.contiguous(), eps)
+        return (rmsnorm_traced_op if triton_ops_enabled() else rmsnorm_op)(x, weight, eps, out_dtype)[0]
+    return RMSNormFunction.apply(x, weight.contiguous(), eps, out_dtype)

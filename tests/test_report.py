@@ -286,7 +286,7 @@ def test_stack_section_shows_ours_with_inductor_pointwise_beside_our_operators(t
 
 def test_stack_section_shows_ours_with_triton_ops_apart(tmp_path):
     """Rows of ours compiled with our operators as triton_ops (`operators: triton_op`) are a line of their own, beside
-    the same run's baseline, not merged with our custom-op rows."""
+    the same run's baseline, not merged with our custom-op rows; the summary's ratios take the triton_op row."""
     common = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=True,
                   compile_mode="default", optimizer="fused", attention="triton", fused=True)
     rows = [_row("model", "ours", "time", 60.0, **common),
@@ -301,6 +301,8 @@ def test_stack_section_shows_ours_with_triton_ops_apart(tmp_path):
     triton_ops = next(line for line in lines if "compiled, triton_op" in line)
     assert triton_ops.rstrip(" |").endswith("1.25")  # 30 / 24, the baseline of its own run
     assert any(line.rstrip(" |").endswith("2.4") for line in lines if "triton_op" not in line)  # 60 / 25
+    # the summary counts the current form (triton_op) only, where it was measured
+    assert "the compiled ones 1.25-1.25" in section and "ranges 1.25-1.25" in section
 
 
 def test_stack_profile_puts_each_phase_and_kind_of_work_beside_the_baseline(tmp_path):

@@ -133,10 +133,7 @@ class MergedProjection(torch.autograd.Function):
         ctx.rows = [w.shape[0] for w in weights]
         ctx.weight_dtype = weights[0].dtype
         product = F.linear(x, weight)
-        if not split:
-            return product
-        outputs = product.split(ctx.rows, dim=-1)
-        return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
+        return _column_blocks(product, ctx.rows, copy_last) if split else product
 
     @staticmethod
     def backward(ctx, *grads):
@@ -156,6 +153,12 @@ class MergedProjection(torch.autograd.Function):
         return grad_x, None, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
 
 
+def _column_blocks(product: torch.Tensor, rows: list[int], copy_last: bool) -> tuple[torch.Tensor, ...]:
+    """The product's column block of each weight (views), the last a copy of its own with `copy_last`."""
+    outputs = product.split(rows, dim=-1)
+    return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
+
+
 def _traced_product(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The merged product as torch.compile traces it: the weights concatenated in the graph, where inductor makes the
     concatenation and autocast's cast one kernel (the casts it replaces read and write as much), and autograd's own
@@ -167,8 +170,7 @@ def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool =
     """(x W_1^T, x W_2^T, ...) as one product (`MergedProjection`); each W_i (d_out_i, d_in). The outputs are views
     of the product, but for the last with `copy_last`."""
     if torch.compiler.is_compiling():
-        outputs = _traced_product(x, weights).split([w.shape[0] for w in weights], dim=-1)
-        return (*outputs[:-1], outputs[-1].contiguous()) if copy_last else outputs
+        return _column_blocks(_traced_product(x, weights), [w.shape[0] for w in weights], copy_last)
     return MergedProjection.apply(x, True, copy_last, *weights)
 
 

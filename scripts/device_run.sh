@@ -32,6 +32,15 @@ gpu_tests() {
   tail -3 "$log"
 }
 
+# Liger-Kernel from a carried wheel (carry [".whl"]; the machine has no package registry), on PYTHONPATH where it
+# was carried: pip download liger-kernel==0.8.5 --no-deps -d .whl
+liger_on_path() {
+  if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/liger .whl/liger_kernel-*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/liger"
+  fi
+}
+
 run_stage() {
   case "$1" in
     env)
@@ -155,10 +164,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 240 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
         --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
-      if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --no-index --target /tmp/liger .whl/liger_kernel-*.whl \
-          && export PYTHONPATH="$PYTHONPATH:/tmp/liger"
-      fi
+      liger_on_path
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
       ATTN_D256_TIMEOUT=100 run_stage attention-d256
@@ -395,12 +401,8 @@ m = n.load_module(); print('$cache cache: load_module', 'built' if m is not None
       # Issue 35: the fused LM head + cross-entropy (fp32 dW, and lean: dW in bf16 with Liger's chunks) against
       # Liger-Kernel, lm_head + cross_entropy and the baseline's chunked loss, at the leaderboard's shape and a
       # quarter of it: time of loss + gradients, peak memory above the inputs. Then RMSNorm and the SwiGLU gate
-      # against torch and Liger. Liger comes from a carried wheel (run with carry [".whl"]; the machine has no
-      # package registry): pip download liger-kernel==0.8.5 --no-deps -d .whl
-      if ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-deps --no-index --target /tmp/liger .whl/liger_kernel-*.whl \
-          && export PYTHONPATH="$PYTHONPATH:/tmp/liger"
-      fi
+      # against torch and Liger (from the carried wheel: `liger_on_path`).
+      liger_on_path
       python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --no-progress --results-dir "$R" 2>&1 | tail -8
       python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
       ;;

@@ -147,13 +147,28 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 
+def _op_forward(x, weight, eps, out_dtype, launch=launch_plan.launch):
+    """The operators' forward body (custom op and triton_op alike, by `launch`): rows flattened inside, so one graph
+    serves every leading shape; (y, rstd) shaped as x and x's rows."""
+    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch,
+                       out_dtype=out_dtype)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def _op_backward_body(grad_y, x, weight, rstd, launch=launch_plan.launch):
+    """The backward operators' body, as `_op_forward`'s: (dx shaped as x, dw)."""
+    d = x.shape[-1]
+    dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
+                       rstd.reshape(-1).contiguous(), launch=launch)
+    return dx.view(x.shape), dw
+
+
 # The registered operators: what torch.compile sees (`compiling`). The forward returns rstd too,
 # so the backward operator reuses it; rows are flattened inside, so one graph serves every leading shape.
 @torch.library.custom_op("cs336::rmsnorm", mutates_args=())
 def rmsnorm_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, out_dtype=out_dtype)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return _op_forward(x, weight, eps, out_dtype)
 
 
 @rmsnorm_op.register_fake
@@ -165,10 +180,7 @@ def _(x, weight, eps, out_dtype=None):
 @torch.library.custom_op("cs336::rmsnorm_backward", mutates_args=())
 def rmsnorm_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    d = x.shape[-1]
-    dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
-                       rstd.reshape(-1).contiguous())
-    return dx.view(x.shape), dw
+    return _op_backward_body(grad_y, x, weight, rstd)
 
 
 @rmsnorm_backward_op.register_fake
@@ -197,17 +209,12 @@ if triton_installed():
     @torch.library.triton_op("cs336::rmsnorm_traced", mutates_args=())
     def rmsnorm_traced_op(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        y, rstd = _forward(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), eps, launch=launch_wrapped,
-                           out_dtype=out_dtype)
-        return y.view(x.shape), rstd.view(x.shape[:-1])
+        return _op_forward(x, weight, eps, out_dtype, launch=launch_wrapped)
 
     @torch.library.triton_op("cs336::rmsnorm_traced_backward", mutates_args=())
     def rmsnorm_traced_backward_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                    rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = x.shape[-1]
-        dx, dw = _backward(grad_y.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous(), weight.contiguous(),
-                           rstd.reshape(-1).contiguous(), launch=launch_wrapped)
-        return dx.view(x.shape), dw
+        return _op_backward_body(grad_y, x, weight, rstd, launch=launch_wrapped)
 
     def _traced_op_backward(ctx, grad_y, _grad_rstd):
         x, weight, rstd = ctx.saved_tensors

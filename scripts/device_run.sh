@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session12, session13, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -151,6 +151,33 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 120 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python 2>&1 | tail -10
       run_stage cross-entropy
+      ;;
+    session12)
+      # The ninth 2026-12-05 session's first call (~8 min): our attention's registered operators (what torch.compile's
+      # graphs call) replay native C++ plans: their GPU tests, a compiled small step's host time with and without
+      # them (ours-python-attention) beside the baseline, every size at ctx 512 compiled and as CUDA graphs, and one
+      # compiled profile of small/512 per provider (kernel time per phase and kind of work).
+      gpu_tests session12 200 tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
+        -k "native or operators or compile or cuda_graph or opcheck or one_product"
+      timeout 150 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
+        --variants ours,ours-python-attention,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
+      timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
+      timeout 100 python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 --provider ours,baseline \
+        --compile on --compile-scope block --attention triton --fused --optimizer fused --mode train-step --profile \
+        --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_compiled.log" 2>&1
+      grep -A3 "^| preset" "$OUT/profile_compiled.log" | head -8
+      ;;
+    session13)
+      # The ninth session's H200 call (~9 min; needs the H200: the 8B step's peak is 133 GiB; carry [".whl"]): the
+      # 8B step against the baseline from a cold cache, the attention targets, the fused CE and gate against Liger.
+      run_stage leaderboard
+      TARGET_RUNS=1 run_stage attention-targets
+      liger_on_path
+      timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
+        --no-progress --results-dir "$R" 2>&1 | tail -5
+      timeout 60 python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
       ;;
     session9)
       # The eighth 2026-12-05 session's call (~9 min; carry [".whl"] for Liger): (1) the GPU tests of what it

@@ -49,12 +49,31 @@ VARIANTS = {
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
     "ours-unmerged": ("ours", "triton", True, "fused"),  # (RECIPE_OPTIONS)
     "ours-custom-ops": ("ours", "triton", True, "fused"),  # (VARIANT_ENVIRONMENT)
+    "ours-python-attention": ("ours", "triton", True, "fused"),  # (VARIANT_SETTINGS)
     "plain": ("ours", "reference", False, "cs336"),
 }
 RECIPE_OPTIONS = {"ours-unmerged": {"merge_projections": False}}  # what else a variant changes in our Recipe
 # Environment a variant runs under: our pointwise operators as custom operators under torch.compile, where the
 # default traces them as triton_ops (read when traced).
 VARIANT_ENVIRONMENT = {"ours-custom-ops": {"CS336_TRITON_OPS": "0"}}
+
+
+@contextlib.contextmanager
+def _python_attention_launches():
+    """Our attention's Python launch path (launch plans replayed from Python), not the native C++ plans: eagerly
+    and in the registered operators torch.compile's graphs call."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    was = native_launch.native_enabled()
+    native_launch.use_native(False)
+    try:
+        yield
+    finally:
+        native_launch.use_native(was)
+
+
+# Process settings a variant runs under (besides its environment).
+VARIANT_SETTINGS = {"ours-python-attention": _python_attention_launches}
 
 
 def _steps_ms(step, steps: int, device: torch.device) -> list[float]:
@@ -143,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                              if compiled else "-")
             try:
                 harness = _Harness(case, cfg, device, **RECIPE_OPTIONS.get(name, {}))
-                with harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})):
+                with (harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})),
+                      VARIANT_SETTINGS.get(name, contextlib.nullcontext)()):
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
                     _steps_ms(step, 5, device)  # warm-up (and compilation)
                     times = _steps_ms(step, args.steps, device)

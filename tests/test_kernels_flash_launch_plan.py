@@ -388,6 +388,75 @@ def test_native_node_allocates_and_addresses_like_the_python_path(accum, row_sta
     assert q.grad.shape == q.shape and q.grad.dtype == q.dtype
 
 
+@pytest.mark.parametrize("accum", [0, 2])
+def test_native_operator_entry_points_run_a_plan_half_by_half(accum):
+    """`forward` and `backward` (the registered operators' CUDA implementations under torch.compile) on CPU
+    tensors with launches recorded: the forward hands its kernel q, k, v and fresh O and L and returns them; the
+    backward takes O, L and the gradient it is given (in O's layout: no copy), allocates D, dK, dV and dQ (or the
+    accumulator, cast and scaled into dQ) and returns them; no plan for another signature gives None."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.skip("the native extension did not build here")
+    q, k, v = (torch.randn(2, 3, 24, 16) for _ in range(3))
+    forward = _dry_spec("q", "k", "v", "out", "lse", 5)
+    dq_slot = "dq_accum" if accum else "dq"
+    backward = _dry_spec("grad_out", "out", "lse", "delta", "dk", "dv", dq_slot)
+    module.register_plan(q, k, v, False, 2, [forward], [backward], accum, 0.5, 32, 16, False)
+    module.set_recording(True)
+    try:
+        assert module.forward(q, k, v, True, 2) is None and module.forward(q, k.transpose(-1, -2), v, False, 2) is None
+        out, lse = module.forward(q, k, v, False, 2)
+        grad_out = torch.randn_like(out)
+        assert module.backward(q, k, v, out, lse, grad_out, True, 2) is None
+        dq, dk, dv = module.backward(q, k, v, out, lse, grad_out, False, 2)
+        launches = module.recorded_launches()
+    finally:
+        module.set_recording(False)
+    assert out.shape == q.shape and out.stride() == q.stride() and lse.shape == q.shape[:-1]
+    assert lse.dtype == torch.float32
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == q.dtype
+    assert len(launches) == 2
+    fwd, bwd = launches
+    assert fwd[:5] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()] and fwd[5] == 5
+    assert bwd[:3] == [grad_out.data_ptr(), out.data_ptr(), lse.data_ptr()]
+    assert bwd[4:6] == [dk.data_ptr(), dv.data_ptr()]
+    if not accum:
+        assert bwd[6] == dq.data_ptr()
+    else:  # the accumulator (never written in a dry run) is its own buffer, not dQ
+        assert bwd[6] not in (0, dq.data_ptr())
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_registered_operators_replay_native_plans(dtype, monkeypatch):
+    """The operators torch.compile's graphs call take the native plans on CUDA: after the first call of a
+    signature (which makes the plan) neither the forward nor the backward reaches the Python launch path, and the
+    results are the Python path's, bit for bit."""
+    from cs336_systems.kernels.flash_attention import dispatch, function
+
+    _native_module()
+    q, k, v = (t.detach() for t in _fresh_inputs(2, 3, 300, 300, 64, dtype, seed=0))
+    grad_out = torch.randn_like(q)
+    forward_op, backward_op = torch.ops.cs336.flash_attention_forward, torch.ops.cs336.flash_attention_backward
+    out, lse = forward_op(q, k, v, True, "triton")  # makes the plan
+    expected_out, expected_lse = dispatch.flash_forward(q, k, v, True)
+    expected = function._attention_backward(q, k, v, expected_out, expected_lse, grad_out, True, "triton",
+                                            function.dot_precision(dtype))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the operator took the Python launch path")
+
+    monkeypatch.setattr(dispatch, "flash_forward", refuse)
+    monkeypatch.setattr(dispatch, "flash_backward", refuse)
+    out, lse = forward_op(q, k, v, True, "triton")
+    grads = backward_op(q, k, v, out, lse, grad_out, True, "triton")
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    for mine, theirs in zip(grads, expected):
+        assert torch.equal(mine, theirs)
+
+
 @requires_cuda
 @pytest.mark.parametrize("backward", ["triton", "two-pass", "tl", "fused"])
 @pytest.mark.parametrize("causal", [False, True])

@@ -26,7 +26,12 @@ def flash_attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """The forward as a registered operator, (O, L), differentiable through `flash_attention_backward_op` with the
     `backward` implementation (one of `dispatch.BACKWARD_IMPLS`). torch.compile traces it (`flash_attention`
     calls it while tracing), and selective checkpointing (`every-block+keep-attn`) sees one op per attention
-    call and saves its outputs instead of recomputing them."""
+    call and saves its outputs instead of recomputing them. On CUDA a native plan replays its kernels from C++
+    (`native_launch.forward`): no Python launch path between a compiled graph and the launches."""
+    if native_launch.native_enabled() and _native_plannable(q):
+        result = native_launch.forward(q, k, v, is_causal, backward)
+        if result is not None:
+            return result
     return dispatch.flash_forward(q, k, v, is_causal)
 
 
@@ -40,12 +45,22 @@ def flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 lse: torch.Tensor, grad_out: torch.Tensor, is_causal: bool,
                                 backward: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of the forward's (O, L) and dO, by the `backward` implementation."""
+    if native_launch.native_enabled() and _native_plannable(q):
+        result = native_launch.backward(q, k, v, out, lse, grad_out, is_causal, backward)
+        if result is not None:
+            return result
     return _attention_backward(q, k, v, out, lse, grad_out, is_causal, backward, dot_precision(q.dtype))
 
 
 @flash_attention_backward_op.register_fake
 def _(q, k, v, out, lse, grad_out, is_causal, backward="triton"):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _native_plannable(q: torch.Tensor) -> bool:
+    """Whether a call on these inputs may take a native plan: CUDA, and for fp32 no dot precision set for the call
+    (the native plans key on `allow_tf32` only)."""
+    return q.device.type == "cuda" and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)
 
 
 def _setup_context(ctx, inputs, output):
@@ -138,9 +153,8 @@ def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton
         return flash_attention_forward_op(q, k, v, bool(is_causal), backward)[0]
     # (Under a torch dispatch mode, selective checkpointing's, the Function path runs: the mode must see the
     # forward operator, which the C++ node would not show it.)
-    if (launcher == "native" and backward in native_launch.BACKWARD_CODES and isinstance(q, torch.Tensor)
-            and q.device.type == "cuda" and not is_in_torch_dispatch_mode()
-            and (q.dtype != torch.float32 or fp32_dot_precision_override() is None)):
+    if (launcher == "native" and isinstance(q, torch.Tensor) and _native_plannable(q)
+            and not is_in_torch_dispatch_mode()):
         out = native_launch.attention(q, k, v, is_causal, backward)
         if out is not None:
             return out

@@ -222,17 +222,61 @@ std::vector<int64_t> shape_without_last(const at::Tensor& t) {
   return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - 1);
 }
 
+// A plan's forward: fresh O (q's layout, as the Python launcher's torch.empty_like) and L (fp32, q.shape[:-1]).
+std::tuple<at::Tensor, at::Tensor> run_forward(const Plan& plan, const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v) {
+  c10::DeviceGuard guard(q.device());
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty(shape_without_last(q), q.options().dtype(at::kFloat));
+  std::array<uint64_t, kNumSlots> addresses{};
+  addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
+  addresses[kOut] = address(out), addresses[kLse] = address(lse);
+  for (const Kernel& kernel : plan.forward) launch(kernel, addresses, q.device());
+  return {out, lse};
+}
+
+// A plan's backward: (dQ, dK, dV) like (q, k, v), from the forward's O and L and the gradient of O.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const Plan& plan, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const at::Tensor& out, const at::Tensor& lse,
+                                                            at::Tensor grad_out) {
+  c10::DeviceGuard guard(q.device());
+  // The plan was made for a gradient in O's layout (16-byte aligned); anything else is copied into one.
+  if (grad_out.strides() != out.strides() || address(grad_out) % 16 != 0) {
+    at::Tensor copy = at::empty_like(out);
+    copy.copy_(grad_out);
+    grad_out = copy;
+  }
+  at::Tensor delta = at::empty_like(lse), dk = at::empty_like(k), dv = at::empty_like(v), dq, dq_accum;
+  if (plan.accum == kNoAccum) {
+    dq = at::empty_like(q);
+  } else {
+    dq_accum = at::empty({lse.numel() / q.size(-2), plan.accum_rows, plan.accum_cols},
+                         q.options().dtype(at::kFloat));
+  }
+  std::array<uint64_t, kNumSlots> addresses{};
+  addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
+  addresses[kOut] = address(out), addresses[kLse] = address(lse), addresses[kGradOut] = address(grad_out);
+  addresses[kDelta] = address(delta), addresses[kDk] = address(dk), addresses[kDv] = address(dv);
+  addresses[kDq] = address(dq), addresses[kDqAccum] = address(dq_accum);
+  at::Tensor row_max, row_inv_sum;  // as buffers.backward_buffers makes them
+  if (plan.row_stats) row_max = at::empty_like(lse), row_inv_sum = at::empty_like(lse);
+  addresses[kRowMax] = address(row_max), addresses[kRowInvSum] = address(row_inv_sum);
+  for (const Kernel& kernel : plan.backward) launch(kernel, addresses, q.device());
+  if (plan.accum != kNoAccum) {  // (batch*heads, rows, cols) fp32 -> q's dims and dtype
+    at::Tensor accum = dq_accum.narrow(1, 0, q.size(-2)).narrow(2, 0, q.size(-1));
+    if (plan.accum == kTlAccum) accum.mul_(plan.accum_scale);
+    dq = at::empty_like(q);
+    dq.copy_(accum.view(q.sizes()));
+  }
+  return {dq, dk, dv};
+}
+
 struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNative> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, int64_t plan_address) {
     const Plan& plan = *reinterpret_cast<const Plan*>(plan_address);
-    c10::DeviceGuard guard(q.device());
-    at::Tensor out = at::empty_like(q);  // q's layout, as the Python launcher's torch.empty_like
-    at::Tensor lse = at::empty(shape_without_last(q), q.options().dtype(at::kFloat));
-    std::array<uint64_t, kNumSlots> addresses{};
-    addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
-    addresses[kOut] = address(out), addresses[kLse] = address(lse);
-    for (const Kernel& kernel : plan.forward) launch(kernel, addresses, q.device());
+    auto [out, lse] = run_forward(plan, q, k, v);
     // Saved as the Python Function saves them (L, Q, K, V, O): a checkpointed region's recompute may take the other
     // path (under a dispatch mode), and torch.utils.checkpoint matches saved tensors by position.
     ctx->save_for_backward({lse, q, k, v, out});
@@ -243,38 +287,8 @@ struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNat
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor &lse = saved[0], &q = saved[1], &k = saved[2], &v = saved[3], &out = saved[4];
     const Plan& plan = *reinterpret_cast<const Plan*>(ctx->saved_data["plan"].toInt());
-    c10::DeviceGuard guard(q.device());
-    at::Tensor grad_out = grads[0];
-    // The plan was made for a gradient in O's layout (16-byte aligned); anything else is copied into one.
-    if (grad_out.strides() != out.strides() || address(grad_out) % 16 != 0) {
-      at::Tensor copy = at::empty_like(out);
-      copy.copy_(grad_out);
-      grad_out = copy;
-    }
-    at::Tensor delta = at::empty_like(lse), dk = at::empty_like(k), dv = at::empty_like(v), dq, dq_accum;
-    if (plan.accum == kNoAccum) {
-      dq = at::empty_like(q);
-    } else {
-      dq_accum = at::empty({lse.numel() / q.size(-2), plan.accum_rows, plan.accum_cols},
-                           q.options().dtype(at::kFloat));
-    }
-    std::array<uint64_t, kNumSlots> addresses{};
-    addresses[kQ] = address(q), addresses[kK] = address(k), addresses[kV] = address(v);
-    addresses[kOut] = address(out), addresses[kLse] = address(lse), addresses[kGradOut] = address(grad_out);
-    addresses[kDelta] = address(delta), addresses[kDk] = address(dk), addresses[kDv] = address(dv);
-    addresses[kDq] = address(dq), addresses[kDqAccum] = address(dq_accum);
-    at::Tensor row_max, row_inv_sum;  // as buffers.backward_buffers makes them
-    if (plan.row_stats) row_max = at::empty_like(lse), row_inv_sum = at::empty_like(lse);
-    addresses[kRowMax] = address(row_max), addresses[kRowInvSum] = address(row_inv_sum);
-    for (const Kernel& kernel : plan.backward) launch(kernel, addresses, q.device());
-    if (plan.accum != kNoAccum) {  // (batch*heads, rows, cols) fp32 -> q's dims and dtype
-      at::Tensor accum = dq_accum.narrow(1, 0, q.size(-2)).narrow(2, 0, q.size(-1));
-      if (plan.accum == kTlAccum) accum.mul_(plan.accum_scale);
-      dq = at::empty_like(q);
-      dq.copy_(accum.view(q.sizes()));
-    }
+    auto [dq, dk, dv] = run_backward(plan, saved[1], saved[2], saved[3], saved[4], saved[0], grads[0]);
     return {dq, dk, dv, at::Tensor()};
   }
 };
@@ -329,6 +343,23 @@ std::optional<at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, co
   return FlashAttentionNative::apply(q, k, v, reinterpret_cast<int64_t>(plan));
 }
 
+// The registered operators' implementations (torch.compile calls those, below autograd): the plan's forward or
+// backward alone, or None where there is no plan for these inputs.
+std::optional<std::tuple<at::Tensor, at::Tensor>> forward(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, bool causal, int64_t backward) {
+  Plan* plan = find(signature(q, k, v, causal, backward));
+  if (plan == nullptr) return std::nullopt;
+  return run_forward(*plan, q, k, v);
+}
+
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& grad_out, bool causal, int64_t backward_code) {
+  Plan* plan = find(signature(q, k, v, causal, backward_code));
+  if (plan == nullptr) return std::nullopt;
+  return run_backward(*plan, q, k, v, out, lse, grad_out);
+}
+
 // The parameter bytes a kernel spec would be launched with (tests compare them with Triton's packing rules).
 py::bytes packed_parameters(const KernelSpec& spec, const std::vector<int64_t>& slot_addresses,
                             int64_t global_scratch) {
@@ -368,6 +399,8 @@ size_t plan_count() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_plan", &register_plan, "register a launch plan for inputs like (q, k, v)");
   m.def("attention", &attention, "attention through a registered plan, or None");
+  m.def("forward", &forward, "(O, L) through a registered plan's forward, or None");
+  m.def("backward", &backward, "(dQ, dK, dV) through a registered plan's backward, or None");
   m.def("packed_parameters", &packed_parameters, "a kernel spec's parameter bytes (for tests)");
   m.def("plan_count", &plan_count, "registered plans");
   m.def("current_stream", &current_stream, "the CUDA stream launches on this device go to");

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session12, session13, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session12, session13, session14, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -178,6 +178,20 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
       timeout 60 python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
+      ;;
+    session14)
+      # The ninth session's last call (~7 min): RoPE's heads split over programs where batch x position blocks are
+      # too few (its GPU tests and opcheck, the compiled model's), then every size at ctx 512 eager, compiled and as
+      # CUDA graphs against the baseline, then ctx 128 and 2048 as CUDA graphs (each side's best mode) for the
+      # sizes the time left allows.
+      gpu_tests session14 90 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
+        -k "rope or one_product or compiles_with_the_kernels or cuda_graph"
+      timeout 270 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      timeout 100 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
+        --compile reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -10
       ;;
     session9)
       # The eighth 2026-12-05 session's call (~9 min; carry [".whl"] for Liger): (1) the GPU tests of what it

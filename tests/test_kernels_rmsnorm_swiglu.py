@@ -406,6 +406,30 @@ def test_rope_matches_reference(shape, positions, dtype):
     assert_within_budget("dx", dx, ref_dx, low_dx)
 
 
+@pytest.mark.parametrize("positions", ["shared", "per-head"])
+@pytest.mark.parametrize("min_programs", [1, 4, 528])
+def test_rope_splits_heads_over_programs_where_positions_alone_are_too_few(min_programs, positions, monkeypatch):
+    """Five heads, two (batch, position block) programs: with MIN_PROGRAMS 1 each program walks all five heads,
+    with 4 the heads split 3 + 2 over two groups (the last group short), with 528 one head a program; every head
+    is rotated exactly once, forward and backward."""
+    from cs336_basics.model import RotaryEmbedding
+    from cs336_systems.kernels import rope as rope_module
+
+    monkeypatch.setattr(rope_module, "MIN_PROGRAMS", min_programs)
+    device = kernel_device()
+    torch.manual_seed(5)
+    shape = (2, 5, 17, 16)
+    cache = RotaryEmbedding(64, shape[-1])._freq_cis_cache.to(device)
+    pos = torch.arange(shape[-2])[None, None] if positions == "shared" else torch.randint(0, 64, shape[:-1])
+    pos = pos.to(device)
+    x, dy = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    ref, (ref_dx,) = _grads(lambda a: rope_module.rope_reference(a, pos, cache.double()), x.double(),
+                            grad_out=dy.double())
+    ours, (dx,) = _grads(lambda a: rope_module.rope(a, pos, cache), x, grad_out=dy)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-5, atol=1e-5)
+
+
 def test_rope_reads_the_models_head_view_in_place_and_keeps_its_layout():
     """The model rotates a (batch, heads, seq, d) view of the (batch, seq, heads x d) projection: no copy
     in, the output in the same layout (so the attention and the gradient's way back are copy-free)."""

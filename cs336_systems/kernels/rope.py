@@ -14,7 +14,9 @@ place of a copy, and the output keeps x's layout (`torch.empty_like`): the atten
 the same strided view, and the gradient flows back through the views without copies. A program
 takes BLOCK_S positions of one batch row and walks the heads; when every head shares the
 positions (the model's case: positions broadcast over heads) cos and sin are loaded once for all
-heads. Rows are loaded whole (one vectorised load) and split into their pairs in registers.
+its heads; where batch x position blocks give fewer than `MIN_PROGRAMS` programs, the heads are split over
+programs too (a small model's call would otherwise leave most SMs idle). Rows are loaded whole (one vectorised
+load) and split into their pairs in registers.
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
 Layers as rmsnorm.py's: reference, kernel, launcher (`_rotate`), the operator `cs336::rope` (its own
 backward, by -t), the eager Function, `rope`.
@@ -40,6 +42,7 @@ from cs336_systems.kernels._triton_utils import (
 )
 
 TILE_ELEMENTS = 4096  # positions x dim per head step: BLOCK_S = TILE_ELEMENTS // padded dim
+MIN_PROGRAMS = 528  # programs a launch should have (4 per SM of an H100/H200) before heads share a program
 
 
 def rope_reference(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -55,25 +58,27 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, n_heads, seq, dim, context,
+    def rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, n_heads, heads_per_program, seq, dim, context,
                     stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_pb, stride_ph, stride_ps,
                     SIGN: tl.constexpr, HEADS_SHARE_POS: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         b = tl.program_id(1).to(tl.int64)
+        first_head = tl.program_id(2) * heads_per_program  # this program's heads: first_head onwards
         s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         cols = tl.arange(0, BLOCK_D)
         mask = (s[:, None] < seq) & (cols[None, :] < dim)
         pairs = tl.arange(0, BLOCK_D // 2)
         pair_mask = (s[:, None] < seq) & (pairs[None, :] < dim // 2)
-        x_rows = x_ptr + b * stride_xb + s[:, None].to(tl.int64) * stride_xs + cols[None, :]
-        out_rows = out_ptr + b * stride_ob + s[:, None].to(tl.int64) * stride_os + cols[None, :]
-        pos_rows = pos_ptr + b * stride_pb + s * stride_ps
+        head = first_head.to(tl.int64)
+        x_rows = x_ptr + b * stride_xb + head * stride_xh + s[:, None].to(tl.int64) * stride_xs + cols[None, :]
+        out_rows = out_ptr + b * stride_ob + head * stride_oh + s[:, None].to(tl.int64) * stride_os + cols[None, :]
+        pos_rows = pos_ptr + b * stride_pb + head * stride_ph + s * stride_ps
         if HEADS_SHARE_POS:
             angle = tl.load(pos_rows, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
             cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
             sin = SIGN * tl.load(cache_ptr + context * (dim // 2) + angle, mask=pair_mask, other=0.0).to(tl.float32)
         # Pointers step head by head (64-bit), rather than h * stride in 32 bits, which could overflow.
-        for _ in range(n_heads):
+        for _ in range(tl.minimum(heads_per_program, n_heads - first_head)):
             if not HEADS_SHARE_POS:
                 angle = tl.load(pos_rows, mask=s < seq, other=0)[:, None] * (dim // 2) + pairs[None, :]
                 cos = tl.load(cache_ptr + angle, mask=pair_mask, other=0.0).to(tl.float32)
@@ -129,9 +134,16 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
     if x4.numel():
         block_d = max(2, next_power_of_2(int(dim)))  # (constexprs: a traced head dim is specialised on)
         block_s = max(1, TILE_ELEMENTS // block_d)
+        # Heads split across programs where batch x position blocks alone would leave the GPU idle (small/512:
+        # 32 programs walking 12 heads each, 9 us a call at 0.7 TB/s); where there are programs enough, each walks
+        # every head and loads its cos/sin once. (sym_min/sym_max: no guard on a traced size.)
+        position_programs = cdiv(seq, block_s) * batch
+        head_groups = torch.sym_min(heads, torch.sym_max(1, cdiv(MIN_PROGRAMS, position_programs)))
+        heads_per_program = cdiv(heads, head_groups)
         launch(
-            _kernel(), (cdiv(seq, block_s), batch),
-            x4, pos4, cache, out4, heads, seq, dim, cache.shape[1], *x4.stride()[:3], *out4.stride()[:3],
+            _kernel(), (cdiv(seq, block_s), batch, cdiv(heads, heads_per_program)),
+            x4, pos4, cache, out4, heads, heads_per_program, seq, dim, cache.shape[1], *x4.stride()[:3],
+            *out4.stride()[:3],
             *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=bool(heads == 1 or pos4.stride(1) == 0), BLOCK_S=block_s,
             BLOCK_D=block_d)
     return out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session12, session13, session14, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -192,6 +192,14 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 100 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
         --compile reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -10
+      ;;
+    session15)
+      # session14 cut to what a short budget allows (~4 min): RoPE's GPU tests, then every size at ctx 512 compiled
+      # and as CUDA graphs against the baseline (the sizes the time limit allows, smallest first).
+      gpu_tests session15 60 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py -k "rope"
+      timeout 150 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
       ;;
     session9)
       # The eighth 2026-12-05 session's call (~9 min; carry [".whl"] for Liger): (1) the GPU tests of what it

@@ -20,9 +20,9 @@ from cs336_systems.kernels.flash_attention.precision import (
 from cs336_systems.kernels.flash_attention.reference import compiled_backward
 
 # Defined through `torch.library.Library`, not `torch.library.custom_op`: the same schema, fake and autograd rules
-# (opcheck tests them), without custom_op's Python wrapper around each call (its output-aliasing check and dynamo
-# guard), which cost about 15 us a call on a 2-core CPU (52 against 37 us, a trivial body, with the autograd rule)
-# and runs twice a layer and step in every compiled graph.
+# (opcheck tests them), without custom_op's Python wrapper around each call (its output-aliasing check and its
+# dynamo-disabling decorator), which cost about 15 us a call on a 2-core CPU (52 against 37 us, a trivial body,
+# with the autograd rule) and runs twice a layer and step in every compiled graph.
 _LIBRARY = torch.library.Library("cs336", "FRAGMENT")
 _LIBRARY.define("flash_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal, str backward='triton') "
                 "-> (Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))

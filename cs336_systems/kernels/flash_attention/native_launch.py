@@ -197,16 +197,17 @@ def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 
 
 def _through_plan(replay, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str):
-    """`replay(module)` (None where the module has no plan for these inputs), a plan made on the first miss of a
-    signature; None where there is no plan to be had: take the Python path. With launch plans off
+    """`replay(module, code)`, code the backward's (None where the module has no plan for these inputs), a plan made
+    on the first miss of a signature; None where there is no plan to be had: take the Python path. With launch plans off
     (`launch_plan.use_plans(False)`) no native plan is used or made either: they are made from the Python plans,
     and "off" means every call takes the normal launch path."""
     if not launch_plan.plans_enabled():
         return None
     module = load_module()
-    if module is None or backward not in BACKWARD_CODES:
+    code = BACKWARD_CODES.get(backward)
+    if module is None or code is None:
         return None
-    result = replay(module)
+    result = replay(module, code)
     if result is not None:
         return result
     key = (bool(is_causal), backward, launch_plan.tensor_signature(q, k, v))
@@ -216,26 +217,23 @@ def _through_plan(replay, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_
     if not make_plan(q, k, v, is_causal, backward):
         _refused.add(key)
         return None
-    return replay(module)
+    return replay(module, code)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str):
     """O through a native plan, with the C++ autograd node, or None: take the Python path."""
-    code = BACKWARD_CODES.get(backward)
-    return _through_plan(lambda module: module.attention(q, k, v, bool(is_causal), code), q, k, v, is_causal,
+    return _through_plan(lambda module, code: module.attention(q, k, v, bool(is_causal), code), q, k, v, is_causal,
                          backward)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str):
     """(O, L) through a native plan's forward, or None: `cs336::flash_attention_forward`'s CUDA implementation
     (what torch.compile's graphs call) without the Python launch path's host time."""
-    code = BACKWARD_CODES.get(backward)
-    return _through_plan(lambda module: module.forward(q, k, v, bool(is_causal), code), q, k, v, is_causal,
+    return _through_plan(lambda module, code: module.forward(q, k, v, bool(is_causal), code), q, k, v, is_causal,
                          backward)
 
 
 def backward(q, k, v, out, lse, grad_out, is_causal: bool, backward: str):
     """(dQ, dK, dV) through a native plan's backward, or None: `cs336::flash_attention_backward`'s."""
-    code = BACKWARD_CODES.get(backward)
-    return _through_plan(lambda module: module.backward(q, k, v, out, lse, grad_out, bool(is_causal), code),
+    return _through_plan(lambda module, code: module.backward(q, k, v, out, lse, grad_out, bool(is_causal), code),
                          q, k, v, is_causal, backward)

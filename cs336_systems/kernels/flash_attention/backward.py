@@ -137,7 +137,7 @@ def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_s
         row_sum = row_sum * alpha + tl.sum(p, 1)
         weighted = weighted * alpha + tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
         row_max = new_max
-    inv_sum = 1.0 / row_sum
+    inv_sum = tl.math.div_rn(1.0, row_sum)  # IEEE-rounded: Triton's `/` is div.full.f32, up to 2 units off
     delta = weighted * inv_sum
     rows = batch_head.to(tl.int64) * n_queries + offs_m
     in_range = offs_m < n_queries

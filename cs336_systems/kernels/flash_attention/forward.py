@@ -132,7 +132,10 @@ def flash_forward_kernel(Q, K, V, O, L,
     acc, m_i, l_i = _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, unmasked_end, masked_end,
                                       n_keys, qk_scale, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, USE_TMA)
 
-    out = acc / l_i[:, None]
+    if O.dtype.element_ty == tl.float32:  # `/` is div.full.f32 (2 units); fp32 outputs get IEEE rounding
+        out = tl.math.div_rn(acc, l_i[:, None])
+    else:
+        out = acc / l_i[:, None]
     if USE_TMA:
         tl.make_tensor_descriptor(o_base, shape=[n_queries, head_dim], strides=[o_strides[2], 1],
                                   block_shape=[BLOCK_M, BLOCK_D]).store([m0, 0], out.to(O.dtype.element_ty))

@@ -184,6 +184,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # is div.full.f32): the fuzz case 8 ratios, the fp32 GPU fuzz and the FlashAttention tests; the native operator
       # wrappers (review commit); RoPE; then xl at ctx 512 profiled (kernel time per kind, ours against the
       # baseline) and small/medium at ctx 128 and 2048 as CUDA graphs.
+      timeout 30 python3 scripts/exp2_accuracy.py
       timeout 60 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python > "$OUT/fuzz_ratios_case8.txt" 2>&1; cat "$OUT/fuzz_ratios_case8.txt" | tail -10
       gpu_tests session16 200 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py \

@@ -1,6 +1,7 @@
-"""How far Triton's `tl.math.exp2` (ex2.approx.f32 on NVIDIA GPUs) and a range-reduced polynomial exp2 are from
-fp64, in units of fp32's epsilon relative to the result, over 65536 scores in [-30, 0] (the range P's exponent
-takes in FlashAttention). Diagnoses the fp32 backward's dV error (notes/flash_attention.md, fuzz case 8).
+"""How far Triton's `tl.math.exp2` (ex2.approx.f32 on NVIDIA GPUs) and our polynomial exp2
+(`flash_attention/exponent.py`) are from fp64, in units of fp32's epsilon relative to the result, over 65536
+scores in [-30, 0] (the range P's exponent takes in FlashAttention). Diagnoses the fp32 backward's dV error
+(notes/flash_attention.md, fuzz case 8).
 
     python scripts/exp2_accuracy.py            # on the GPU
     TRITON_INTERPRET=1 python scripts/exp2_accuracy.py --device cpu
@@ -14,23 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _exp2_polynomial(x):
-    # 2^x = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5] (exact): 2^f = e^(f ln 2) by its degree-7 Taylor
-    # polynomial in Horner form (truncation below 6e-9), 2^n from its exponent bits; 0 below 2^-126.
-    n = tl.floor(x + 0.5)
-    t = (x - n) * 0.6931471805599453
-    p = 1.0 / 5040.0
-    p = p * t + 1.0 / 720.0
-    p = p * t + 1.0 / 120.0
-    p = p * t + 1.0 / 24.0
-    p = p * t + 1.0 / 6.0
-    p = p * t + 0.5
-    p = p * t + 1.0
-    p = p * t + 1.0
-    scale = ((tl.maximum(n, -126.0).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(x < -126.0, 0.0, p * scale)
+from cs336_systems.kernels.flash_attention.exponent import exp2_polynomial
 
 
 @triton.jit
@@ -38,7 +23,7 @@ def _both_kernel(X, Approx, Polynomial, N: tl.constexpr):
     offsets = tl.arange(0, N)
     x = tl.load(X + offsets)
     tl.store(Approx + offsets, tl.math.exp2(x))
-    tl.store(Polynomial + offsets, _exp2_polynomial(x))
+    tl.store(Polynomial + offsets, exp2_polynomial(x))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,9 +187,9 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 30 python3 scripts/exp2_accuracy.py
       timeout 60 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
         --launcher python > "$OUT/fuzz_ratios_case8.txt" 2>&1; cat "$OUT/fuzz_ratios_case8.txt" | tail -10
-      gpu_tests session16 200 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py \
+      gpu_tests session16 200 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py tests/test_kernels_flash_exponent.py \
         tests/test_kernels_flash_launch_plan.py tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py \
-        -k "(fuzz and gpu and fp32) or flash_attention or native or operators or rope or one_product"
+        -k "(fuzz and gpu and fp32) or flash_attention or exp2 or native or operators or rope or one_product"
       timeout 150 python3 -m cs336_systems.bench model --preset xl --context 512 --dtype bf16 --provider ours,baseline \
         --compile on --compile-scope block --attention triton --fused --optimizer fused --mode train-step --profile \
         --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_xl.log" 2>&1

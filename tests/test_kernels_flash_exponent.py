@@ -47,3 +47,9 @@ def test_softmax_exp2_keeps_the_instruction_for_tensor_core_precision():
     x = -torch.rand(64, dtype=torch.float32, device=kernel_device()) * 10
     _, chosen = _run(x, "tf32")
     torch.testing.assert_close(chosen.double(), torch.exp2(x.double()), rtol=1e-6, atol=0)
+
+
+def test_exp2_polynomial_keeps_nan():
+    x = torch.tensor([float("nan"), -1.0] + [0.0] * 14, device=kernel_device())
+    polynomial, chosen = _run(x, "ieee")
+    assert torch.isnan(polynomial[0]) and torch.isnan(chosen[0]) and polynomial[1].item() == 0.5

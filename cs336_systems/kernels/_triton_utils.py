@@ -35,6 +35,7 @@ def missing_triton_message(what: str) -> str:
     return f"{what} needs Triton, which is not installed here; install it with: {TRITON_INSTALL}"
 
 
+@torch.compiler.assume_constant_result  # read once per trace: dynamo neither traces nor guards os.environ
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1, where kernels run on CPU tensors through numpy."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -77,6 +78,7 @@ def compiling() -> bool:
 _TRITON_AT_IMPORT = triton_installed()  # (where the triton_op forms exist; a constant, which torch.compile reads)
 
 
+@torch.compiler.assume_constant_result  # (a compiled graph keeps the form it was traced with)
 def triton_ops_enabled() -> bool:
     """Under torch.compile, RMSNorm, the SwiGLU gates and RoPE trace as `torch.library.triton_op`s (their kernels
     launched through `wrap_triton`), so inductor launches each kernel from its own generated code instead of calling

@@ -19,8 +19,9 @@ def exp2_polynomial(x):
     """2^x within one unit of fp32's epsilon: 2^n * 2^f with n = round(x) and f = x - n in [-0.5, 0.5] (exact),
     2^f = e^(f ln 2) by its degree-7 Taylor polynomial (truncation below 6e-9), 2^n from its exponent bits; 0 for x
     below -126 (and -inf), where the GPU's own exp2 flushes to zero too."""
-    n = tl.floor(x + 0.5)
-    t = (x - n) * 0.6931471805599453
+    clamped = tl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)  # (-inf stays finite; NaN stays NaN)
+    n = tl.floor(clamped + 0.5)
+    t = (clamped - n) * 0.6931471805599453
     p = 1.0 / 5040.0
     p = p * t + 1.0 / 720.0
     p = p * t + 1.0 / 120.0

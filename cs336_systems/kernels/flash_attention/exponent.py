@@ -1,11 +1,13 @@
 """The softmax's exponential in the FlashAttention kernels: exp2 of log2-domain scores.
 
 `tl.math.exp2` lowers to the GPU's approximate `ex2.approx.f32` (`scripts/exp2_accuracy.py` measures how far it is
-from fp64), where PyTorch's fp32 softmax uses an accurate `expf`. In the fp32-accurate kernels (PRECISION other
-than "tf32") that error reached dV: fuzz case 8 (65 x 129 keys, d 96) held dV to 2.4x PyTorch's own error against
-fp64 (notes/flash_attention.md). There `softmax_exp2` range-reduces and evaluates a polynomial instead, within one
-unit: about ten FMAs an element, beside the d FMAs of each score's IEEE dot. 16-bit inputs keep the single
-instruction (their P is rounded to 16 bits anyway).
+from fp64), where PyTorch's fp32 softmax uses an accurate `expf`. The fp32-accurate backward (PRECISION other than
+"tf32": the row statistics and the dK/dV and dQ passes, which recompute P) takes `exp2_polynomial` instead, within
+one unit of fp32's epsilon: about ten FMAs an element beside the d FMAs of each score's IEEE dot, and no spill at
+the shipped tiles (`scripts/flash_ptx_schedule.py --dtype fp32`: 128 registers, 0 B, as before). Fuzz case 8 (65 x
+129 keys, d 96) had dV at 2.4x PyTorch's own error against fp64 (notes/flash_attention.md). The forward keeps the
+instruction: there the polynomial pushed the fp32 64 x 64 tile from 94 registers to 128 and a spill, and the
+backward does not read the forward's P. 16-bit inputs keep it everywhere (their P is rounded to 16 bits).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session16, session17, session18, session19, session20, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session16, session17, session18, session19, session20, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -178,6 +178,14 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
       timeout 60 python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
+      ;;
+    session21)
+      # The fp32 checks alone (~2.5 min): exp2's accuracy, fuzz case 8's ratios, the fp32 GPU fuzz and exp2 tests.
+      timeout 30 python3 scripts/exp2_accuracy.py
+      timeout 60 python3 scripts/flash_fuzz_ratios.py --cases 8 --dtype fp32 --precision default,ieee \
+        --launcher python > "$OUT/fuzz_ratios_case8.txt" 2>&1; tail -10 "$OUT/fuzz_ratios_case8.txt"
+      gpu_tests session21 90 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_exponent.py \
+        -k "(fuzz and gpu and fp32) or exp2"
       ;;
     session20)
       # The least of session19 (~4 min): the exp2 and case-8 checks, the fp32 GPU fuzz and exp2 tests, small and

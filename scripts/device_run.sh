@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session16, session17, session18, session19, session20, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -193,30 +193,10 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session21 90 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_exponent.py \
         -k "(fuzz and gpu and fp32) or exp2"
       ;;
-    session20)
-      # The least of session19 (~4 min): the exp2 and case-8 checks, the fp32 GPU fuzz and exp2 tests, small and
-      # medium at ctx 512 compiled and as CUDA graphs.
-      fp32_case8_checks
-      gpu_tests session20 100 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_exponent.py \
-        tests/test_kernels_flash_attention.py -k "(fuzz and gpu and fp32) or exp2 or (forward and not fuzz)"
-      timeout 90 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
-        --compile reduce-overhead,on --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -12
-      ;;
-    session19)
-      # session18 cut to about 6 minutes (what the device budget left after refused starts allows).
-      fp32_case8_checks
-      gpu_tests session19 110 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_exponent.py \
-        tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
-        -k "(fuzz and gpu and fp32) or exp2 or forward or native"
-      timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile reduce-overhead,on,off --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
-      ;;
     session18)
-      # session16 and session17 cut to one call (~9 min) for a session whose device time went to refused starts:
-      # the exp2 and case-8 checks, the GPU tests of this session's kernel and model changes, then every size at
-      # ctx 512 eager, compiled and as CUDA graphs against the baseline.
+      # The tenth session's checks in one call (~9 min): the exp2 and case-8 checks, the GPU tests of its kernel
+      # and model changes, then every size at ctx 512 eager, compiled and as CUDA graphs against the baseline
+      # (session16 adds xl's profile and ctx 128 / 2048).
       fp32_case8_checks
       gpu_tests session18 150 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_exponent.py \
         tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
@@ -241,12 +221,6 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 110 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
         --compile reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -10
-      ;;
-    session17)
-      # The tenth session's second call (~5 min): every size at ctx 512 eager, compiled and as CUDA graphs.
-      timeout 280 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
       ;;
     session14)
       # The ninth session's last call (~7 min): RoPE's heads split over programs where batch x position blocks are

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -186,6 +186,19 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
       timeout 60 python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
+      ;;
+    session22)
+      # The eleventh session's first call (~8 min): fuzz case 8's dV taken apart on the GPU (the kernels' row
+      # statistics and dV against fp64, dV rebuilt from each ingredient, the dV pass per tile config), the compiled
+      # model's GPU tests (head split and merge as views, the constant-result predicates), then every size at ctx 512
+      # eager, compiled and as CUDA graphs against the baseline.
+      CS336_AUTOTUNE=0 timeout 90 python3 scripts/flash_dv_probe.py --case 8 > "$OUT/dv_probe_case8.txt" 2>&1
+      cat "$OUT/dv_probe_case8.txt" | tail -20
+      gpu_tests session22 90 tests/test_operators.py tests/test_kernels_flash_attention.py \
+        -k "compiles_with_the_kernels or cuda_graph or native"
+      timeout 270 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
       ;;
     session21)
       # The fp32 checks alone (~2.5 min): exp2's accuracy, fuzz case 8's ratios, the fp32 GPU fuzz and exp2 tests.

@@ -43,6 +43,7 @@ from cs336_systems.kernels.flash_attention.backward_tiles import (
 )
 from cs336_systems.kernels.flash_attention.exponent import exp2_polynomial, softmax_exp2
 from cs336_systems.kernels.flash_attention.forward import LOG2E
+from cs336_systems.kernels.flash_attention.score_dot import head_dim_dot
 
 # Which key gradients a dK/dV pass forms (KEY_GRADS): both (0, the parameters' default), or one of them, for the
 # split passes of wide heads (`flash_key_grad_kernel`, dispatch's "dkdv-split").
@@ -92,7 +93,7 @@ def add_compensated(total, error, part):
 def _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr):
     """One tile of log2-domain scores, -inf where a key is past n_keys or (causal) right of the query."""
-    s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale
+    s = head_dim_dot(q, kT, PRECISION) * qk_scale
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     keep = offs_n[None, :] < n_keys
     if IS_CAUSAL:
@@ -136,7 +137,7 @@ def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_s
         alpha = softmax_exp2(row_max - new_max, PRECISION)
         p = softmax_exp2(s - new_max[:, None], PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        weighted = weighted * alpha + tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
+        weighted = weighted * alpha + tl.sum(p * head_dim_dot(do, vT, PRECISION), 1)
         row_max = new_max
     inv_sum = tl.math.div_rn(1.0, row_sum)  # IEEE-rounded: Triton's `/` is div.full.f32, up to 2 units off
     delta = weighted * inv_sum
@@ -182,7 +183,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, inv_
         else:
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
-        sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        sT = head_dim_dot(k, qT, PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
         if PRECISION != "tf32":
             inv_sum = tl.load(inv_sum_row + offs_m, mask=offs_m < n_queries, other=0.0)
             pT = exp2_polynomial(sT - lse[None, :]) * inv_sum[None, :]
@@ -191,7 +192,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, inv_
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         if KEY_GRADS != DV_ONLY:
-            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
+            dpT = head_dim_dot(v, tl.trans(do), PRECISION)  # (BLOCK_N, BLOCK_M)
             dsT = pT * (dpT - delta[None, :])
             if MASKED and IS_CAUSAL:
                 dsT = tl.where(offs_m[None, :] == 0, 0.0, dsT)  # the first row sees one key: dS is exactly 0
@@ -234,7 +235,7 @@ def _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, st
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = tiles.load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
-        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s = head_dim_dot(q, kT, PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if PRECISION != "tf32":
             p = exp2_polynomial(s - lse[:, None]) * inv_sum[:, None]
         else:
@@ -245,7 +246,7 @@ def _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, st
             if IS_CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, vT, input_precision=PRECISION)
+        dp = head_dim_dot(do, vT, PRECISION)
         ds = p * (dp - delta[:, None])
         if MASKED and IS_CAUSAL:
             ds = tl.where(offs_m[:, None] == 0, 0.0, ds)  # the first row sees one key: dS is exactly 0

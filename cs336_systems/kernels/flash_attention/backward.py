@@ -137,7 +137,7 @@ def flash_row_stats_kernel(Q, K, V, dO, RowMax, RowInvSum, Delta, q_strides, k_s
         alpha = softmax_exp2(row_max - new_max, PRECISION)
         p = softmax_exp2(s - new_max[:, None], PRECISION)
         row_sum = row_sum * alpha + tl.sum(p, 1)
-        weighted = weighted * alpha + tl.sum(p * head_dim_dot(do, vT, PRECISION), 1)
+        weighted = weighted * alpha + tl.sum(p * tl.dot(do, vT, input_precision=PRECISION), 1)
         row_max = new_max
     inv_sum = tl.math.div_rn(1.0, row_sum)  # IEEE-rounded: Triton's `/` is div.full.f32, up to 2 units off
     delta = weighted * inv_sum
@@ -192,7 +192,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, inv_
         if MASKED and IS_CAUSAL:
             pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
         if KEY_GRADS != DV_ONLY:
-            dpT = head_dim_dot(v, tl.trans(do), PRECISION)  # (BLOCK_N, BLOCK_M)
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # (BLOCK_N, BLOCK_M)
             dsT = pT * (dpT - delta[None, :])
             if MASKED and IS_CAUSAL:
                 dsT = tl.where(offs_m[None, :] == 0, 0.0, dsT)  # the first row sees one key: dS is exactly 0
@@ -246,7 +246,7 @@ def _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, st
             if IS_CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(keep, p, 0.0)
-        dp = head_dim_dot(do, vT, PRECISION)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         if MASKED and IS_CAUSAL:
             ds = tl.where(offs_m[:, None] == 0, 0.0, ds)  # the first row sees one key: dS is exactly 0

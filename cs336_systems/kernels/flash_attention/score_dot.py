@@ -1,30 +1,20 @@
-"""The fp32-accurate backward's products over the head dimension (S = Q K^T and dP = dO V^T), in short chains.
+"""The fp32-accurate backward's scores S = Q K^T over the head dimension, in two chains.
 
-An IEEE fp32 `tl.dot` is one FMA chain over its inner dimension: each score rounds its running sum d times. At
-d 96 (padded to 128) that chain alone put dV of fuzz case 8 at about 3e-7 from fp64 in a CPU emulation, where
-chains of 32 summed pairwise left 1.6e-7 (twelve random inputs of the case's shape; notes/flash_attention.md),
-about what cuBLAS's fp32 GEMM reaches for PyTorch's own reference. `head_dim_dot` splits the inner dimension into
-halves (d >= 64) or quarters (d >= 128), one dot each, and adds the partial products in a fixed pairwise order, so
-the row statistics' S and the dK/dV pass's S^T stay bitwise alike (every chain has the same order whichever
-operand is transposed). 16-bit and "tf32"/"tf32x3" dots are unchanged.
+An IEEE fp32 `tl.dot` is one FMA chain over its inner dimension: each score rounds its running sum d times. On the
+H200 that chain put dV of fuzz case 8 (65 queries, 129 keys, d 96 padded to 128) at 3.4x PyTorch's own error
+against fp64, over the 2x budget; with S summed in chains of a quarter of the head dim, added pairwise, 1.1x
+(`scripts/flash_dv_probe.py`, notes/flash_attention.md). Quarters spill the backward's registers at d 128, halves
+do not: `head_dim_dot` forms S as two dots of the same operands, each with the other half's columns of `a` zeroed
+(an FMA with a zero product leaves the chain's sum exactly as it was), and adds them. Every pass that recomputes P
+(the row statistics, the dK/dV pass, the dQ pass) forms S this way, so the row statistics' S and the dK/dV pass's
+S^T stay bitwise alike. dP = dO V^T keeps one chain (dK and dQ were inside their budgets; D = rowsum(P dP) needs
+dP formed alike in the row statistics and the passes). 16-bit, "tf32" and "tf32x3" dots are unchanged.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _column_halves(a):
-    """(M, K) -> its columns [0, K / 2) and [K / 2, K)."""
-    return tl.split(tl.permute(tl.reshape(a, (a.shape[0], 2, a.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _row_halves(b):
-    """(K, N) -> its rows [0, K / 2) and [K / 2, K)."""
-    return tl.split(tl.permute(tl.reshape(b, (2, b.shape[0] // 2, b.shape[1])), (1, 2, 0)))
 
 
 @triton.jit
@@ -36,18 +26,14 @@ def _added(x, y):
 
 @triton.jit
 def head_dim_dot(a, b, PRECISION: tl.constexpr):
-    """a @ b over the head dimension: with PRECISION "ieee" and an inner dimension of 64 or more, in chains of half
-    (64 <= K < 128) or a quarter of it, added pairwise; otherwise one `tl.dot`."""
-    if PRECISION != "ieee" or a.shape[1] < 64:
-        return tl.dot(a, b, input_precision=PRECISION)
-    a0, a1 = _column_halves(a)
-    b0, b1 = _row_halves(b)
-    if a.shape[1] < 128:
-        return _added(tl.dot(a0, b0, input_precision=PRECISION), tl.dot(a1, b1, input_precision=PRECISION))
-    a00, a01 = _column_halves(a0)
-    a10, a11 = _column_halves(a1)
-    b00, b01 = _row_halves(b0)
-    b10, b11 = _row_halves(b1)
-    first = _added(tl.dot(a00, b00, input_precision=PRECISION), tl.dot(a01, b01, input_precision=PRECISION))
-    second = _added(tl.dot(a10, b10, input_precision=PRECISION), tl.dot(a11, b11, input_precision=PRECISION))
-    return _added(first, second)
+    """a @ b over the head dimension: with PRECISION "ieee" and an inner dimension of 64 or more, in two chains (the
+    first and second half of it, each a dot of `a` with the other half's columns zeroed), added; otherwise one
+    `tl.dot`."""
+    if PRECISION == "ieee" and a.shape[1] >= 64:
+        columns = tl.arange(0, a.shape[1])[None, :]
+        low = tl.dot(tl.where(columns < a.shape[1] // 2, a, 0.0), b, input_precision=PRECISION)
+        high = tl.dot(tl.where(columns >= a.shape[1] // 2, a, 0.0), b, input_precision=PRECISION)
+        result = _added(low, high)
+    else:
+        result = tl.dot(a, b, input_precision=PRECISION)
+    return result

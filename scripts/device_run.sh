@@ -195,14 +195,25 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       CS336_AUTOTUNE=0 timeout 60 python3 scripts/flash_dv_probe.py --case 8 --configs 32x32x16x2 \
         > "$OUT/dv_probe_case8.txt" 2>&1
       tail -14 "$OUT/dv_probe_case8.txt"
-      gpu_tests session23 240 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py \
+      gpu_tests session23 180 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py \
         tests/test_kernels_flash_exponent.py tests/test_operators.py \
         -k "(fuzz and gpu and fp32) or exp2 or full_matrix or compiles_with_the_kernels or cuda_graph"
-      CS336_AUTOTUNE=0 timeout 100 python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype fp32 \
+      # small at ctx 512 slowed from df6fa1a (CUDA graphs 11.1 -> 19.6 ms, session22): this code, then df6fa1a's
+      # packages (carried as .probe/df6fa1a, their rows tagged df6fa1a), ours only for the latter.
+      for tree in . .probe/df6fa1a; do
+        [ -d "$tree/cs336_systems" ] || continue
+        commit=$([ "$tree" = . ] && echo "${CS336_GIT_COMMIT:-}" || echo df6fa1a3ac92)
+        providers=$([ "$tree" = . ] && echo ours,baseline || echo ours)
+        PYTHONPATH="$PWD/$tree" CS336_GIT_COMMIT="$commit" timeout 80 python3 -m cs336_systems.bench model \
+          --preset small --context 512 --dtype bf16 --compile off,reduce-overhead --compile-scope block \
+          --provider "$providers" --attention triton --fused --optimizer fused --mode train-step --warmup 3 \
+          --steps 10 --no-progress --results-dir "$R" 2>&1 | grep -E "^\| small" | cut -c1-200
+      done
+      CS336_AUTOTUNE=0 timeout 80 python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype fp32 \
         --seq 2048,8192 --provider triton --rep-ms 40 --no-progress --results-dir "$R" 2>&1 | tail -8
       if [ -f .probe/backward_head.py ]; then
         cp .probe/backward_head.py cs336_systems/kernels/flash_attention/backward.py
-        CS336_GIT_COMMIT="${PREVIOUS_COMMIT:-previous}" CS336_AUTOTUNE=0 timeout 100 python3 -m cs336_systems.bench \
+        CS336_GIT_COMMIT="${PREVIOUS_COMMIT:-previous}" CS336_AUTOTUNE=0 timeout 80 python3 -m cs336_systems.bench \
           attention --sweep flash --d 64,128 --dtype fp32 --seq 2048,8192 --provider triton --rep-ms 40 --no-progress \
           --results-dir "$R" 2>&1 | tail -8
       fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, session23, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session23, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -186,6 +186,35 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
       timeout 60 python3 -m cs336_systems.bench fused-ops --no-progress --results-dir "$R" 2>&1 | tail -8
+      ;;
+    fp32-variants)
+      # Issue 33: the fp32 Triton fuzz's ours / budget over all 200 cases (mean, p95, max per tensor), per variant:
+      # this tree; this tree without FMA contraction (TRITON_DEFAULT_FP_FUSION=0); and each carried
+      # .probe/variant_NAME/ (files copied over cs336_systems/kernels/flash_attention/ in a scratch copy of the tree),
+      # e.g. S in two chains: mkdir -p .probe/variant_two_chains && git show e3daf4f:cs336_systems/kernels/\
+      # flash_attention/backward.py > .probe/variant_two_chains/backward.py (and its score_dot.py). Each variant runs
+      # as four processes, a quarter of the cases each (~2 min).
+      fp32_variant() {  # NAME TREE [VAR=VALUE ...]
+        local name=$1 tree=$2
+        shift 2
+        for part in 0-49 50-99 100-149 150-199; do
+          (cd "$tree" && env "$@" PYTHONPATH="$tree" CS336_AUTOTUNE=0 timeout 300 python3 scripts/flash_fuzz_ratios.py \
+            --cases "$part" --dtype fp32 > "$OUT/fp32_${name}_${part}.txt" 2>&1) &
+        done
+        wait
+        echo "--- $name"
+        python3 scripts/flash_fuzz_ratios.py --summarize "$OUT"/fp32_"${name}"_*.txt
+        grep -h "failed:" "$OUT"/fp32_"${name}"_*.txt | head -5
+      }
+      fp32_variant tree "$PWD"
+      fp32_variant no-fusion "$PWD" TRITON_DEFAULT_FP_FUSION=0
+      for variant in .probe/variant_*/; do
+        [ -d "$variant" ] || continue
+        name=$(basename "$variant"); scratch=/tmp/$name
+        rm -rf "$scratch" && mkdir -p "$scratch" && cp -r cs336_basics cs336_systems scripts tests "$scratch"/
+        cp "$variant"/*.py "$scratch"/cs336_systems/kernels/flash_attention/
+        fp32_variant "${name#variant_}" "$scratch"
+      done
       ;;
     session23)
       # The eleventh session's second call (~8 min): fp32 S in two chains (score_dot.py): fuzz case 8's dV taken

@@ -189,11 +189,10 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       ;;
     fp32-variants)
       # Issue 33: the fp32 Triton fuzz's ours / budget over all 200 cases (mean, p95, max per tensor), per variant:
-      # this tree; this tree without FMA contraction (TRITON_DEFAULT_FP_FUSION=0); and each carried
-      # .probe/variant_NAME/ (files copied over cs336_systems/kernels/flash_attention/ in a scratch copy of the tree),
-      # e.g. S in two chains: mkdir -p .probe/variant_two_chains && git show e3daf4f:cs336_systems/kernels/\
-      # flash_attention/backward.py > .probe/variant_two_chains/backward.py (and its score_dot.py). Each variant runs
-      # as four processes, a quarter of the cases each (~2 min).
+      # this tree; this tree without FMA contraction (TRITON_DEFAULT_FP_FUSION=0); each scripts/fp32_variants/*.patch
+      # applied to a scratch copy of the tree (what each tries is at its top); each carried .probe/variant_NAME/ (files
+      # copied over cs336_systems/kernels/flash_attention/). Each variant runs as four processes, a quarter of the
+      # cases each (~2 min a variant).
       fp32_variant() {  # NAME TREE [VAR=VALUE ...]
         local name=$1 tree=$2
         shift 2
@@ -206,14 +205,27 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         python3 scripts/flash_fuzz_ratios.py --summarize "$OUT"/fp32_"${name}"_*.txt
         grep -h "failed:" "$OUT"/fp32_"${name}"_*.txt | head -5
       }
+      scratch_tree() {  # NAME -> a fresh copy of the tree at /tmp/NAME
+        rm -rf "/tmp/$1" && mkdir -p "/tmp/$1" && cp -r cs336_basics cs336_systems scripts tests "/tmp/$1"/
+      }
       fp32_variant tree "$PWD"
       fp32_variant no-fusion "$PWD" TRITON_DEFAULT_FP_FUSION=0
+      for patch_file in scripts/fp32_variants/*.patch; do
+        name=$(basename "$patch_file" .patch)
+        patch_path="$PWD/$patch_file"
+        scratch_tree "$name"
+        if (cd "/tmp/$name" && patch -p1 -s < "$patch_path"); then
+          fp32_variant "$name" "/tmp/$name"
+        else
+          echo "--- $name: the patch does not apply to this tree"
+        fi
+      done
       for variant in .probe/variant_*/; do
         [ -d "$variant" ] || continue
-        name=$(basename "$variant"); scratch=/tmp/$name
-        rm -rf "$scratch" && mkdir -p "$scratch" && cp -r cs336_basics cs336_systems scripts tests "$scratch"/
-        cp "$variant"/*.py "$scratch"/cs336_systems/kernels/flash_attention/
-        fp32_variant "${name#variant_}" "$scratch"
+        name=$(basename "$variant")
+        scratch_tree "$name"
+        cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
+        fp32_variant "${name#variant_}" "/tmp/$name"
       done
       ;;
     session23)

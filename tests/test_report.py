@@ -415,3 +415,26 @@ def test_a_rows_age_counts_code_commits_only(tmp_path):
     commits_behind.cache_clear()  # one report build sees one HEAD; this test moves it
     assert commits_behind(measured, tmp_path) == 1
     assert commits_behind("0" * 40, tmp_path) is None
+
+
+def test_stack_section_keeps_one_card_and_runs_with_a_baseline(tmp_path):
+    """The size table sets ours beside the baseline of its own run on one card (the H200, issue 32's, where it has
+    rows): a newer run on another card, or a run of ours alone, does not replace a row; each row shows its spread."""
+    common = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=False,
+                  optimizer="fused", attention="triton", fused=True)
+    rows = [_row("model", "ours", "time", 30.0, **common),
+            _row("model", "baseline", "time", 25.0, **common | dict(attention="sdpa", fused=False)),
+            _row("model", "ours", "time", 10.0, **common),  # another card, newer
+            _row("model", "baseline", "time", 20.0, **common | dict(attention="sdpa", fused=False)),
+            _row("model", "ours", "time", 5.0, **common)]  # ours alone, newest
+    rows[0].update(device_name="NVIDIA H200", std=3.0)
+    rows[1].update(device_name="NVIDIA H200", std=0.25)
+    for row in rows[2:4]:
+        row.update(device_name="NVIDIA H100", run_id="r2", timestamp="2026-12-03T00:00:00+00:00")
+    rows[4].update(device_name="NVIDIA H200", run_id="r3", timestamp="2026-12-04T00:00:00+00:00")
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## Our stack against PyTorch"):text.index("## Fused LM head")]
+    lines = [line for line in section.splitlines() if line.startswith("| small")]
+    assert len(lines) == 1 and lines[0].rstrip(" |").endswith("1.2")  # 30 / 25 on the H200
+    assert "| 10 / 1 " in lines[0]  # std over median, percent: ours 3 / 30, the baseline 0.25 / 25
+    assert "H100" not in section

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session23, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -228,37 +228,6 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
         fp32_variant "${name#variant_}" "/tmp/$name"
       done
-      ;;
-    session23)
-      # The eleventh session's second call (~8 min): fp32 S in two chains (score_dot.py): fuzz case 8's dV taken
-      # apart, the fp32 GPU fuzz (both classes), the FlashAttention and exponent tests, the operator tests that the
-      # first draft broke; then the IEEE fp32 backward timed at this code and, in the same call, at the previous
-      # backward.py (carried as .probe/backward_head.py; its rows tagged with its commit, PREVIOUS_COMMIT).
-      CS336_AUTOTUNE=0 timeout 60 python3 scripts/flash_dv_probe.py --case 8 --configs 32x32x16x2 \
-        > "$OUT/dv_probe_case8.txt" 2>&1
-      tail -14 "$OUT/dv_probe_case8.txt"
-      gpu_tests session23 180 tests/test_kernels_flash_fuzz.py tests/test_kernels_flash_attention.py \
-        tests/test_kernels_flash_exponent.py tests/test_operators.py \
-        -k "(fuzz and gpu and fp32) or exp2 or full_matrix or compiles_with_the_kernels or cuda_graph"
-      # small at ctx 512 slowed from df6fa1a (CUDA graphs 11.1 -> 19.6 ms, session22): this code, then df6fa1a's
-      # packages (carried as .probe/df6fa1a, their rows tagged df6fa1a), ours only for the latter.
-      for tree in . .probe/df6fa1a; do
-        [ -d "$tree/cs336_systems" ] || continue
-        commit=$([ "$tree" = . ] && echo "${CS336_GIT_COMMIT:-}" || echo df6fa1a3ac92)
-        providers=$([ "$tree" = . ] && echo ours,baseline || echo ours)
-        PYTHONPATH="$PWD/$tree" CS336_GIT_COMMIT="$commit" timeout 80 python3 -m cs336_systems.bench model \
-          --preset small --context 512 --dtype bf16 --compile off,reduce-overhead --compile-scope block \
-          --provider "$providers" --attention triton --fused --optimizer fused --mode train-step --warmup 3 \
-          --steps 10 --no-progress --results-dir "$R" 2>&1 | grep -E "^\| small" | cut -c1-200
-      done
-      CS336_AUTOTUNE=0 timeout 80 python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype fp32 \
-        --seq 2048,8192 --provider triton --rep-ms 40 --no-progress --results-dir "$R" 2>&1 | tail -8
-      if [ -f .probe/backward_head.py ]; then
-        cp .probe/backward_head.py cs336_systems/kernels/flash_attention/backward.py
-        CS336_GIT_COMMIT="${PREVIOUS_COMMIT:-previous}" CS336_AUTOTUNE=0 timeout 80 python3 -m cs336_systems.bench \
-          attention --sweep flash --d 64,128 --dtype fp32 --seq 2048,8192 --provider triton --rep-ms 40 --no-progress \
-          --results-dir "$R" 2>&1 | tail -8
-      fi
       ;;
     session22)
       # The eleventh session's first call (~8 min): fuzz case 8's dV taken apart on the GPU (the kernels' row

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' fuzz cases
 from tests._support import error_and_budget  # noqa: E402
-from tests.test_kernels_flash_fuzz import CASES  # noqa: E402
+from tests.test_kernels_flash_fuzz import CASES, fuzz_inputs  # noqa: E402
 
 
 def _config(text: str) -> tuple[int, int, int, int]:
@@ -56,10 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     (batch, heads, n_queries, n_keys, d), causal = CASES[args.case]
-    torch.manual_seed(args.case)  # the inputs `tests/test_kernels_flash_fuzz.fuzz_results` makes
-    lead = (batch,) if heads is None else (batch, heads)
-    q, k, v = (torch.randn(*lead, n, d, device=args.device, dtype=torch.float32) for n in (n_queries, n_keys, n_keys))
-    grad_out = torch.randn(*lead, n_queries, d, device=args.device, dtype=torch.float32)
+    q, k, v, grad_out = (t.detach() for t in fuzz_inputs(args.case, torch.float32, args.device))
 
     out, lse = dispatch.flash_forward(q, k, v, causal)
     choice = dispatch.choose_backward(q, k, v, grad_out, dispatch.BackwardOptions())
@@ -84,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if causal:
         s64 = s64.masked_fill(torch.ones_like(s64, dtype=torch.bool).triu(1), float("-inf"))
     m64 = s64.amax(-1)
-    l64 = torch.exp2(s64 - m64[..., None]).sum(-1)
-    p64 = torch.exp2(s64 - m64[..., None]) / l64[..., None]
+    e64 = torch.exp2(s64 - m64[..., None])
+    l64 = e64.sum(-1)
+    p64 = e64 / l64[..., None]
     row_max = buffers["row_max"].view(m64.shape).double()
     inv_sum = buffers["row_inv_sum"].view(m64.shape).double()
     eps = torch.finfo(torch.float32).eps

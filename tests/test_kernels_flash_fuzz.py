@@ -49,15 +49,22 @@ CASES = fuzz_cases()
 INTERPRETER_FP32_FACTOR = 4.0
 
 
-def fuzz_results(fn, case_index: int, dtype: torch.dtype, device: str) -> list[tuple]:
-    """Case `case_index` through `fn(q, k, v, causal)`: (name, ours, fp64 reference, PyTorch's own result at `dtype`)
-    for the output and the three gradients (`scripts/flash_fuzz_ratios.py` prints them as ratios to the budget)."""
-    (batch, heads, n_queries, n_keys, d), causal = CASES[case_index]
+def fuzz_inputs(case_index: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
+    """Case `case_index`'s q, k, v (requiring grad) and dO, seeded by the case (`scripts/flash_dv_probe.py` takes
+    the same ones apart)."""
+    (batch, heads, n_queries, n_keys, d), _ = CASES[case_index]
     torch.manual_seed(case_index)
     lead = (batch,) if heads is None else (batch, heads)
     q, k, v = (torch.randn(*lead, n, d, device=device, dtype=dtype, requires_grad=True)
                for n in (n_queries, n_keys, n_keys))
-    grad_out = torch.randn(*lead, n_queries, d, device=device, dtype=dtype)
+    return q, k, v, torch.randn(*lead, n_queries, d, device=device, dtype=dtype)
+
+
+def fuzz_results(fn, case_index: int, dtype: torch.dtype, device: str) -> list[tuple]:
+    """Case `case_index` through `fn(q, k, v, causal)`: (name, ours, fp64 reference, PyTorch's own result at `dtype`)
+    for the output and the three gradients (`scripts/flash_fuzz_ratios.py` prints them as ratios to the budget)."""
+    causal = CASES[case_index][1]
+    q, k, v, grad_out = fuzz_inputs(case_index, dtype, device)
     out = fn(q, k, v, causal)
     exact_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     exact = naive_attention(*exact_in, causal)

@@ -70,8 +70,10 @@ def fused_model_path(doc: Document, r: Results) -> None:
     if wide.empty:
         return r.note_missing(doc, "fused model path", "ours and the baseline measured in one run (GPU)")
     # The run's spread beside its medians: a ratio inside the steps' noise is no evidence either way.
-    spread = (100 * wide["ours_std"] / wide["ours"]).round().astype("Int64").astype(str) + " / " + (
-        100 * wide["baseline_std"] / wide["baseline"]).round().astype("Int64").astype(str)
+    def percent(std: pd.Series, median: pd.Series) -> pd.Series:
+        return (100 * std / median).round().astype("Int64").astype(str)
+
+    spread = percent(wide["ours_std"], wide["ours"]) + " / " + percent(wide["baseline_std"], wide["baseline"])
     wide = wide[["preset", "context", "execution", "baseline", "ours"]].assign(**{"std % (ours / baseline)": spread})
     wide["ours / baseline"] = (wide["ours"] / wide["baseline"]).round(2)
     wide["preset"] = pd.Categorical(wide["preset"], [p for p in PRESET_ORDER if p in set(wide["preset"])]

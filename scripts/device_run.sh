@@ -199,16 +199,17 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         for start in $(seq 0 13 199); do  # 16 processes, one per CPU core, 13 cases each
           local part="$start-$(( start + 12 < 199 ? start + 12 : 199 ))"
           (cd "$tree" && env "$@" PYTHONPATH="$tree" CS336_AUTOTUNE=0 timeout 240 python3 scripts/flash_fuzz_ratios.py \
-            --cases "$part" --dtype fp32 > "$OUT/fp32_${name}_${part}.txt" 2>&1) &
+            --cases "$part" --dtype fp32 > "$R/fp32_variants/${name}_${part}.txt" 2>&1) &
         done
         wait
         echo "--- $name"
-        python3 scripts/flash_fuzz_ratios.py --summarize "$OUT"/fp32_"${name}"_*.txt
-        grep -h "failed:" "$OUT"/fp32_"${name}"_*.txt | head -5
+        python3 scripts/flash_fuzz_ratios.py --summarize "$R"/fp32_variants/"${name}"_*.txt
+        grep -h "failed:" "$R"/fp32_variants/"${name}"_*.txt | head -5
       }
       scratch_tree() {  # NAME -> a fresh copy of the tree at /tmp/NAME
         rm -rf "/tmp/$1" && mkdir -p "/tmp/$1" && cp -r cs336_basics cs336_systems scripts tests "/tmp/$1"/
       }
+      mkdir -p "$R/fp32_variants"  # (16 files a variant: packed into results.tgz, not each brought back)
       # FP32_VARIANTS picks some by name (four fit in one call's 10 minutes), e.g. "tree two_chains".
       wanted() { [ -z "${FP32_VARIANTS:-}" ] || [[ " $FP32_VARIANTS " == *" $1 "* ]]; }
       wanted tree && fp32_variant tree "$PWD"

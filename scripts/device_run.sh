@@ -191,17 +191,19 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # Issue 33: the fp32 Triton fuzz's ours / budget over all 200 cases (mean, p95, max per tensor), per variant:
       # this tree; this tree without FMA contraction (TRITON_DEFAULT_FP_FUSION=0); each scripts/fp32_variants/*.patch
       # applied to a scratch copy of the tree (what each tries is at its top); each carried .probe/variant_NAME/ (files
-      # copied over cs336_systems/kernels/flash_attention/). Each variant runs as 16 processes (~2 min a variant;
-      # the whole fp32 fuzz took 117 s under pytest -n 16 on an H100).
+      # copied over cs336_systems/kernels/flash_attention/). Each variant runs as 16 processes: about 4 min a variant
+      # from a cold Triton cache on the H100 (the tree at ad9309b), so two fit in one call.
       fp32_variant() {  # NAME TREE [VAR=VALUE ...]
         local name=$1 tree=$2
         shift 2
+        local pids=()
         for start in $(seq 0 13 199); do  # 16 processes, one per CPU core, 13 cases each
           local part="$start-$(( start + 12 < 199 ? start + 12 : 199 ))"
-          (cd "$tree" && env "$@" PYTHONPATH="$tree" CS336_AUTOTUNE=0 timeout 240 python3 scripts/flash_fuzz_ratios.py \
+          (cd "$tree" && env "$@" PYTHONPATH="$tree" CS336_AUTOTUNE=0 timeout 270 python3 scripts/flash_fuzz_ratios.py \
             --cases "$part" --dtype fp32 > "$R/fp32_variants/${name}_${part}.txt" 2>&1) &
+          pids+=($!)
         done
-        wait
+        wait "${pids[@]}"  # (a bare wait would wait for the packer below too, i.e. forever)
         echo "--- $name"
         python3 scripts/flash_fuzz_ratios.py --summarize "$R"/fp32_variants/"${name}"_*.txt
         grep -h "failed:" "$R"/fp32_variants/"${name}"_*.txt | head -5
@@ -210,7 +212,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         rm -rf "/tmp/$1" && mkdir -p "/tmp/$1" && cp -r cs336_basics cs336_systems scripts tests "/tmp/$1"/
       }
       mkdir -p "$R/fp32_variants"  # (16 files a variant: packed into results.tgz, not each brought back)
-      # FP32_VARIANTS picks some by name (four fit in one call's 10 minutes), e.g. "tree two_chains".
+      # FP32_VARIANTS picks some by name (two fit in one call's 10 minutes), e.g. "tree two_chains".
       wanted() { [ -z "${FP32_VARIANTS:-}" ] || [[ " $FP32_VARIANTS " == *" $1 "* ]]; }
       wanted tree && fp32_variant tree "$PWD"
       wanted no-fusion && fp32_variant no-fusion "$PWD" TRITON_DEFAULT_FP_FUSION=0

@@ -51,7 +51,7 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
                 s += tl.where(offs_n[None, :] <= offs_m[:, None], 0.0, MASK_VALUE_LOG2)
             s = tl.where(offs_n[None, :] < n_keys, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])  # (the backward recomputes fp32's P with softmax_exp2: exponent.py)
+        p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)

@@ -231,6 +231,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       for variant in .probe/variant_*/; do
         [ -d "$variant" ] || continue
         name=$(basename "$variant")
+        wanted "${name#variant_}" || continue
         scratch_tree "$name"
         cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
         fp32_variant "${name#variant_}" "/tmp/$name"

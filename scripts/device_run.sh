@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -237,6 +237,16 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
         fp32_variant "${name#variant_}" "/tmp/$name"
       done
+      ;;
+    session25)
+      # The thirteenth session's sweep (~10 min): every size at ctx 2048 and 128, eager, compiled and as CUDA graphs
+      # against the baseline, at today's code (the rows there were from before the merged products' compile fix).
+      timeout 330 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 2048 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      timeout 230 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 128 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
       ;;
     session22)
       # The eleventh session's first call (~8 min): fuzz case 8's dV taken apart on the GPU (the kernels' row

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -237,6 +237,18 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
         fp32_variant "${name#variant_}" "/tmp/$name"
       done
+      ;;
+    session26)
+      # The thirteenth session's second call (~8 min): every size at ctx 512 in the three modes (with session25, one
+      # card and one commit for the whole size table), then xl at ctx 512 profiled, ours against the baseline (kernel
+      # time per kind: how much xl's head dim 80, padded to 128 in our kernels, costs).
+      timeout 330 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
+        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      timeout 150 python3 -m cs336_systems.bench model --preset xl --context 512 --dtype bf16 --provider ours,baseline \
+        --compile on --compile-scope block --attention triton --fused --optimizer fused --mode train-step --profile \
+        --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_xl.log" 2>&1
+      grep -A3 "^| preset" "$OUT/profile_xl.log" | head -8
       ;;
     session25)
       # The thirteenth session's sweep (~10 min): every size at ctx 2048 and 128, eager, compiled and as CUDA graphs

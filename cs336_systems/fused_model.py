@@ -66,7 +66,19 @@ def _fused_swiglu_forward(self, x):
 
 
 def _linear_forward(self, x):
+    copy = _copy_under_autocast(getattr(self, "weight_copy", None), x)
+    if copy is not None:
+        return MergedProjection.apply(x, False, False, copy, self.weight)
     return F.linear(x, self.weight)
+
+
+def _copy_under_autocast(copy: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """A weight copy (`weight_copies`) where autocast to its dtype is on for x's device, else None: the product
+    then reads the weight itself."""
+    device = x.device.type
+    if copy is None or not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != copy.dtype:
+        return None
+    return copy
 
 
 def forward_taken_over(linear: nn.Module) -> None:
@@ -93,7 +105,9 @@ def _merged_swiglu_forward(self, x):
     # it, whole, for one product each of dx and dW.
     if not _project_themselves(self.w1, self.w3):
         return _fused_swiglu_forward(self, x)
-    return self.w2(silu_mul_packed(merged_product(x, self.w1.weight, self.w3.weight), backward_in_place=True))
+    copy = _copy_under_autocast(getattr(self, "merged_weight_copy", None), x)
+    return self.w2(silu_mul_packed(merged_product(x, self.w1.weight, self.w3.weight, copy=copy),
+                                   backward_in_place=True))
 
 
 def _consecutive_rows(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
@@ -115,20 +129,25 @@ def _consecutive_rows(weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
 class MergedProjection(torch.autograd.Function):
     """x W_i^T for several weights W_i in one product: returned whole (`split=False`, the W_i's outputs side by side
     along the last dim) or as one output per weight (column blocks of the product). Under autocast, the input and
-    the merged weight are cast once, as `F.linear` would cast each.
+    the merged weight are cast once, as `F.linear` would cast each. With `copy` (the W_i stacked, in autocast's
+    dtype, as `weight_copies` keeps them) the product reads it and nothing is cast but the input. Either way the
+    weights' gradients leave the product in the weights' dtype (`_weight_gradient`).
 
     A column block is a view: while any of them lives, the whole product does. With `copy_last` the last output is a
     copy of its own, so an attention that saves V for its backward keeps V alone, not Q's and K's columns beside it
     (RoPE reads Q and K and keeps neither: the product is freed after it)."""
 
     @staticmethod
-    def forward(ctx, x, split, copy_last, *weights):
-        weight = _consecutive_rows(weights)
-        if weight is None:  # (the weights were moved apart, e.g. by `.to()` after `apply_fused_kernels`: a copy)
-            weight = torch.cat(weights)
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        x, weight = x.to(dtype), weight.to(dtype)
+    def forward(ctx, x, split, copy_last, copy, *weights):
+        if copy is not None:
+            x, weight = x.to(copy.dtype), copy
+        else:
+            weight = _consecutive_rows(weights)
+            if weight is None:  # (the weights were moved apart, e.g. by `.to()` after `apply_fused_kernels`: a copy)
+                weight = torch.cat(weights)
+            device = x.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+            x, weight = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(x, weight)
         ctx.rows = [w.shape[0] for w in weights]
         ctx.weight_dtype = weights[0].dtype
@@ -147,10 +166,22 @@ class MergedProjection(torch.autograd.Function):
                               else x.new_zeros(*x.shape[:-1], rows, dtype=weight.dtype)
                               for g, rows in zip(grads, ctx.rows)], dim=-1)
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        if not any(ctx.needs_input_grad[3:]):
-            return grad_x, None, None, *(None for _ in ctx.rows)
-        grad_weight = (grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1])).to(ctx.weight_dtype)
-        return grad_x, None, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
+        if not any(ctx.needs_input_grad[4:]):
+            return grad_x, None, None, None, *(None for _ in ctx.rows)
+        grad_weight = _weight_gradient(grad.reshape(-1, grad.shape[-1]).T, x.reshape(-1, x.shape[-1]),
+                                       ctx.weight_dtype)
+        return grad_x, None, None, None, *grad_weight.split(ctx.rows)  # (row blocks: contiguous, as their weights)
+
+
+def _weight_gradient(grad_t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_t @ x in `dtype`. On CUDA a bf16/fp16 product writes its fp32 accumulator as fp32 itself (`mm` with
+    `out_dtype`): no rounding to 16 bits and no cast kernel after (a read of 2 and a write of 4 bytes an element of
+    every weight gradient, every step)."""
+    if grad_t.dtype == dtype:
+        return grad_t @ x
+    if grad_t.is_cuda and dtype == torch.float32:
+        return torch.mm(grad_t, x, out_dtype=dtype)
+    return (grad_t @ x).to(dtype)
 
 
 def _column_blocks(product: torch.Tensor, rows: list[int], copy_last: bool) -> tuple[torch.Tensor, ...]:
@@ -166,20 +197,21 @@ def _traced_product(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch
     return F.linear(x, torch.cat(weights))
 
 
-def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool = False) -> tuple[torch.Tensor, ...]:
+def merged_projection(x: torch.Tensor, *weights: torch.Tensor, copy_last: bool = False,
+                      copy: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(x W_1^T, x W_2^T, ...) as one product (`MergedProjection`); each W_i (d_out_i, d_in). The outputs are views
-    of the product, but for the last with `copy_last`."""
-    if torch.compiler.is_compiling():
+    of the product, but for the last with `copy_last`. `copy`: the W_i stacked in autocast's dtype, read instead."""
+    if copy is None and torch.compiler.is_compiling():
         return _column_blocks(_traced_product(x, weights), [w.shape[0] for w in weights], copy_last)
-    return MergedProjection.apply(x, True, copy_last, *weights)
+    return MergedProjection.apply(x, True, copy_last, copy, *weights)
 
 
-def merged_product(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+def merged_product(x: torch.Tensor, *weights: torch.Tensor, copy: torch.Tensor | None = None) -> torch.Tensor:
     """x [W_1; W_2; ...]^T: the products with each W_i (d_out_i, d_in) side by side along the last dim, as one
-    product whose backward takes its gradient whole (no concatenation)."""
-    if torch.compiler.is_compiling():
+    product whose backward takes its gradient whole (no concatenation). `copy` as for `merged_projection`."""
+    if copy is None and torch.compiler.is_compiling():
         return _traced_product(x, weights)
-    return MergedProjection.apply(x, False, False, *weights)
+    return MergedProjection.apply(x, False, False, copy, *weights)
 
 
 def _make_consecutive(params: list[nn.Parameter]) -> None:
@@ -196,7 +228,8 @@ def _merged_project_qkv(self, x):
     if (self.positional_encoder is None
             or not _project_themselves(self.q_proj, self.k_proj, self.v_proj)):
         return CausalMultiHeadSelfAttention.project_qkv(self, x)
-    return merged_projection(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, copy_last=True)
+    return merged_projection(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, copy_last=True,
+                             copy=_copy_under_autocast(getattr(self, "merged_weight_copy", None), x))
 
 
 def _fused_rope_forward(self, x, pos_ids):
@@ -213,6 +246,23 @@ def _attention_with_cached_positions(self, x, token_positions=None):
     if token_positions is None and not torch.compiler.is_compiling():
         token_positions = _cached_positions(x.shape[-2], x.device)
     return CausalMultiHeadSelfAttention.forward(self, x, token_positions)
+
+
+def product_weight_groups(model: nn.Module) -> list[tuple[nn.Module | None, list[nn.Parameter]]]:
+    """The weights each product of a fused model reads as one matrix: (the attention or SwiGLU module whose merged
+    product it is, its weights) for each merged group, then (None, [weight]) for every other Linear."""
+    groups, grouped = [], set()
+    for module in model.modules():
+        if getattr(module.__dict__.get("project_qkv"), "__func__", None) is _merged_project_qkv:
+            weights = [module.q_proj.weight, module.k_proj.weight, module.v_proj.weight]
+        elif getattr(module.__dict__.get("forward"), "__func__", None) is _merged_swiglu_forward:
+            weights = [module.w1.weight, module.w3.weight]
+        else:
+            continue
+        groups.append((module, weights))
+        grouped.update(id(w) for w in weights)
+    groups += [(None, [m.weight]) for m in model.modules() if isinstance(m, Linear) and id(m.weight) not in grouped]
+    return groups
 
 
 def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True) -> nn.Module:

@@ -5,7 +5,8 @@ A `Recipe` says which of our pieces a run uses; `build_model` applies them to a 
 
 1. parameters in their dtype (bf16 for the leaderboard), created on the device: billions of parameters
    initialised on the CPU first take minutes;
-2. fused kernels (RMSNorm, SwiGLU gate, RoPE) replace module forwards, so what comes later wraps them;
+2. fused kernels (RMSNorm, SwiGLU gate, RoPE) replace module forwards, so what comes later wraps them; the
+   weights' compute-dtype copies after them (they follow the merged products' layout), before the optimizer;
 3. attention is chosen by name at run time (`attention_context(recipe)`, a context that swaps the model's attention
    function): it is a module global, not a module, so it composes with every step here;
 4. activation checkpointing wraps the (fused) block forwards: the recompute then runs our kernels too;
@@ -47,6 +48,9 @@ class Recipe:
     optimizer: str = "cs336"  # cs336 (cs336_basics' AdamW) or fused (our FusedAdamW)
     optimizer_maths: str = "cs336"  # FusedAdamW's update: cs336 (as cs336_basics) or torch (as torch.optim)
     state_dtype: torch.dtype = torch.float32  # FusedAdamW's moment dtype
+    # bf16/fp16 copies of the fp32 Linear weights, written by FusedAdamW, read by the products under autocast to that
+    # dtype instead of casting the weights each step (cs336_systems.weight_copies; needs fused and the fused optimizer)
+    weight_copy_dtype: torch.dtype | None = None
     lr: float = 1e-4
 
     def __post_init__(self):
@@ -61,6 +65,13 @@ class Recipe:
             raise ValueError(f"Recipe: attention must be one of {', '.join(attention_names())}, got {self.attention!r}")
         if self.fused_rope and not self.fused:
             raise ValueError("Recipe: fused_rope needs fused")
+        if self.weight_copy_dtype is not None and (
+                self.weight_copy_dtype not in (torch.bfloat16, torch.float16) or not self.fused
+                or self.optimizer != "fused" or self.param_dtype not in (None, torch.float32)):
+            raise ValueError(f"Recipe: weight_copy_dtype must be bfloat16 or float16, with fused, the fused optimizer "
+                             f"(it writes the copies) and float32 parameters; got weight_copy_dtype="
+                             f"{self.weight_copy_dtype}, fused={self.fused}, optimizer={self.optimizer!r}, "
+                             f"param_dtype={self.param_dtype}")
         if not isinstance(self.checkpoint, CheckpointPolicy):
             raise TypeError(f"Recipe: checkpoint must be a CheckpointPolicy (CheckpointPolicy.parse(text)), got "
                             f"{type(self.checkpoint).__name__}")
@@ -75,6 +86,10 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
         from cs336_systems.fused_model import apply_fused_kernels  # (imports Triton)
 
         apply_fused_kernels(model, rope=recipe.fused_rope, merge_projections=recipe.merge_projections)
+        if recipe.weight_copy_dtype is not None:
+            from cs336_systems.weight_copies import attach_weight_copies
+
+            attach_weight_copies(model, recipe.weight_copy_dtype)
     apply_checkpointing(model, recipe.checkpoint)
     if recipe.compile == "block":
         for block in model.layers:

@@ -3,7 +3,9 @@
 Two update rules, chosen by `maths`:
 * "cs336": the staff/cs336_basics AdamW: p -= lr*wd*p; p -= lr*sqrt(1-b2^t)/(1-b1^t) * m/(sqrt(v)+eps).
 * "torch": torch.optim.AdamW: the same decay, then p -= lr/(1-b1^t) * m/(sqrt(v)/sqrt(1-b2^t) + eps).
-State (m, v) is fp32 or bf16 (`state_dtype`); arithmetic is fp32 in registers either way.
+State (m, v) is fp32 or bf16 (`state_dtype`); arithmetic is fp32 in registers either way. A parameter with a
+`compute_copy` (`cs336_systems.weight_copies`: its bf16 or fp16 twin that the products read) has it written in the
+same pass, from the updated value (2 bytes more written an element).
 
 Memory-bound: 16 bytes read and 12 written per fp32 element, BLOCK=1024 elements per program.
 Two launch schemes (`multi_tensor`):
@@ -38,9 +40,10 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, sizes, block_tensor, block_start, decay, beta1,
-                                  beta2, eps, step_size, bias2_sqrt, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
-                                  S_DTYPE: tl.constexpr, TORCH_MATHS: tl.constexpr, BLOCK: tl.constexpr):
+    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, c_ptrs, sizes, block_tensor, block_start, decay,
+                                  beta1, beta2, eps, step_size, bias2_sqrt, P_DTYPE: tl.constexpr,
+                                  G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
+                                  HAS_COPIES: tl.constexpr, TORCH_MATHS: tl.constexpr, BLOCK: tl.constexpr):
         block = tl.program_id(0)
         tensor = tl.load(block_tensor + block)
         offs = tl.load(block_start + block) + tl.arange(0, BLOCK)
@@ -63,8 +66,21 @@ def _kernel():
         tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
         tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
         tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+        if HAS_COPIES:  # the weight's compute-dtype copy (address 0: this tensor has none)
+            c_address = tl.load(c_ptrs + tensor)
+            if c_address != 0:
+                tl.store(c_address.to(tl.pointer_type(C_DTYPE)) + offs, p.to(C_DTYPE), mask=mask)
 
     return adamw_multi_tensor_kernel
+
+
+def _compute_copy(p: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's compute-dtype copy (`weight_copies`), checked to match it, or None."""
+    copy = getattr(p, "compute_copy", None)
+    if copy is not None and (copy.shape != p.shape or copy.device != p.device or not copy.is_contiguous()):
+        raise ValueError(f"FusedAdamW: a parameter's compute_copy must match it (shape {tuple(p.shape)}, device "
+                         f"{p.device}, contiguous), got shape {tuple(copy.shape)} on {copy.device}")
+    return copy
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -118,9 +134,10 @@ class FusedAdamW(torch.optim.Optimizer):
             if self.multi_tensor:
                 batches: dict[tuple, list] = {}
                 for p in live:  # one launch per (device, dtypes, step count): the scalars are shared
-                    key = (p.device, p.dtype, p.grad.dtype, self.state[p]["t"])
+                    copy = _compute_copy(p)
+                    key = (p.device, p.dtype, p.grad.dtype, None if copy is None else copy.dtype, self.state[p]["t"])
                     batches.setdefault(key, []).append(p)
-                for (_, _, _, t), params in batches.items():
+                for (_, _, _, _, t), params in batches.items():
                     self._launch(params, group, t)
             else:
                 for p in live:
@@ -137,6 +154,8 @@ class FusedAdamW(torch.optim.Optimizer):
             v = state["v"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denominator = v.sqrt().div_(bias2_sqrt).add_(eps) if self.maths == "torch" else v.sqrt().add_(eps)
             p.copy_(p.float().mul_(decay).addcdiv_(m, denominator, value=-step_size))
+            if (copy := _compute_copy(p)) is not None:
+                copy.copy_(p)
             state["m"].copy_(m)
             state["v"].copy_(v)
 
@@ -149,7 +168,9 @@ class FusedAdamW(torch.optim.Optimizer):
     def _tables(self, params) -> tuple[torch.Tensor, ...]:
         """(sizes, block tensor index, block start, p/m/v addresses) of `params`, built once per set of tensors."""
         states = [self.state[p] for p in params]
-        key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel()) for p, s in zip(params, states))
+        copies = [_compute_copy(p) for p in params]
+        key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel(), 0 if c is None else c.data_ptr())
+                    for p, s, c in zip(params, states, copies))
         if key not in self._tables_cache:
             device = params[0].device
             tensor_of_block, start_of_block = [], []
@@ -162,7 +183,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 torch.tensor(tensor_of_block, dtype=torch.int32, device=device),
                 torch.tensor(start_of_block, dtype=torch.int64, device=device),
                 _addresses(params, device), _addresses([s["m"] for s in states], device),
-                _addresses([s["v"] for s in states], device))
+                _addresses([s["v"] for s in states], device),
+                torch.tensor([0 if c is None else c.data_ptr() for c in copies], dtype=torch.int64, device=device))
         return self._tables_cache[key]
 
     def _gradient_table(self, params) -> torch.Tensor:
@@ -182,11 +204,13 @@ class FusedAdamW(torch.optim.Optimizer):
         if not runs_kernel(params[0]):
             self._update_eagerly(params, group, t)
             return
-        sizes, block_tensor, block_start, p_addr, m_addr, v_addr = self._tables(params)
+        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr = self._tables(params)
+        copy = next((c for c in map(_compute_copy, params) if c is not None), None)
         if not block_tensor.numel():
             return
         _kernel()[(block_tensor.numel(),)](
-            p_addr, self._gradient_table(params), m_addr, v_addr,
+            p_addr, self._gradient_table(params), m_addr, v_addr, c_addr,
             sizes, block_tensor, block_start, *self._scalars(group, t),
             P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
-            S_DTYPE=_tl_dtype(self.state_dtype), TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)
+            S_DTYPE=_tl_dtype(self.state_dtype), C_DTYPE=_tl_dtype(copy.dtype if copy is not None else torch.float32),
+            HAS_COPIES=copy is not None, TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)

@@ -55,6 +55,7 @@ class ModelCase:
     compile_scope: str = "model"  # with compile: the whole model or each block
     compile_mode: str = "-"  # with compile: torch.compile's mode, "default" or "reduce-overhead" (CUDA graphs)
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
+    weight_copies: bool = False  # ours, fused, fused AdamW, 16-bit autocast: the weights' copies (weight_copies.py)
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
@@ -91,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the CPU)")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
                         help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
+    parser.add_argument("--weight-copies", type=common.list_of(str, ("on", "off"), "--weight-copies"),
+                        default=["on"],
+                        help="with --fused --optimizer fused and --dtype bf16/fp16: our fused AdamW keeps 16-bit "
+                             "copies of the Linear weights that the products read, instead of casting every weight "
+                             "each step: on (default), off, or on,off to time both")
     parser.add_argument("--warmup", type=common.positive_int("--warmup", 0), default=5,
                         help="warm-up steps (default 5)")
     parser.add_argument("--steps", type=common.positive_int("--steps"), default=10, help="timed steps (default 10)")
@@ -125,10 +131,13 @@ def cases(args) -> list[ModelCase]:
         policy = args.checkpoint if provider == "ours" else NO_CHECKPOINTING
         ours = provider == "ours"
         compiled = comp != "off"
-        out.append(ModelCase(preset, ctx, args.batch, dtype, compiled, provider, attention, policy,
-                             fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
-                             compile_scope=args.compile_scope if compiled else "-",
-                             compile_mode=("default" if comp == "on" else comp) if compiled else "-"))
+        copies_apply = ours and args.fused and args.optimizer == "fused" and dtype in ("bf16", "fp16")
+        for copies in dict.fromkeys(choice == "on" for choice in args.weight_copies) if copies_apply else [False]:
+            out.append(ModelCase(preset, ctx, args.batch, dtype, compiled, provider, attention, policy,
+                                 fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
+                                 compile_scope=args.compile_scope if compiled else "-",
+                                 compile_mode=("default" if comp == "on" else comp) if compiled else "-",
+                                 weight_copies=copies))
     return out
 
 
@@ -147,7 +156,9 @@ class _Harness:
                                  checkpoint=case.checkpoint,
                                  compile=case.compile_scope if case.compile else "off",
                                  compile_mode=case.compile_mode if case.compile else "default",
-                                 optimizer=case.optimizer, **recipe_options)
+                                 optimizer=case.optimizer,
+                                 weight_copy_dtype=common.DTYPES[case.dtype] if case.weight_copies else None,
+                                 **recipe_options)
             self.model = build_model(cfg, self.recipe, device)
             self.optimizer = build_optimizer(self.model, self.recipe)
             self.forward_model = forward_of(self.model, self.recipe)
@@ -409,8 +420,9 @@ def _print_table(store: ResultStore, args) -> None:
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
     index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "provider",
-                         "attention", "checkpoint", "fused", "optimizer", "mode") if c in frame.columns]
-    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode")
+                         "attention", "checkpoint", "fused", "optimizer", "weight_copies", "mode")
+             if c in frame.columns]
+    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode", "weight_copies")
                           if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]

@@ -45,7 +45,9 @@ def fused_model_path(doc: Document, r: Results) -> None:
     fused = col(step, "fused", False).fillna(False).astype(bool)
     # Ours: the whole stack; and, compiled, the same without our pointwise operators (inductor generates RMSNorm,
     # the SwiGLU gate and RoPE itself), where a run measured it.
-    ours = step[(step["provider"] == "ours") & fused]
+    # (ours as it runs by default: an A/B run's rows without the weight copies, `--weight-copies off`, stay out)
+    copies_off = col(step, "weight_copies", None).astype(object).eq(False)
+    ours = step[(step["provider"] == "ours") & fused & ~copies_off]
     inductor = step[(step["provider"] == "ours") & ~fused & (col(step, "attention") == "triton")
                     & (col(step, "optimizer") == "fused") & col(step, "compile", False).fillna(False).astype(bool)]
     if ours.empty:

@@ -33,6 +33,7 @@ by the caller (`kernels.cross_entropy.lm_head_cross_entropy`).
 from __future__ import annotations
 
 import functools
+import os
 import types
 
 import torch
@@ -44,6 +45,9 @@ from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, Ro
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
+
+# CS336_FP32_WEIGHT_GRADIENTS=0: a 16-bit weight gradient product, then its cast (for A/B runs; read at import)
+FP32_WEIGHT_GRADIENTS_FROM_THE_PRODUCT = os.environ.get("CS336_FP32_WEIGHT_GRADIENTS", "1") != "0"
 
 
 def _fused_rmsnorm_forward(self, x):
@@ -179,7 +183,7 @@ def _weight_gradient(grad_t: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) 
     every weight gradient, every step)."""
     if grad_t.dtype == dtype:
         return grad_t @ x
-    if grad_t.is_cuda and dtype == torch.float32:
+    if grad_t.is_cuda and dtype == torch.float32 and FP32_WEIGHT_GRADIENTS_FROM_THE_PRODUCT:
         return torch.mm(grad_t, x, out_dtype=dtype)
     return (grad_t @ x).to(dtype)
 

@@ -27,7 +27,7 @@ LAYERS = [
     ("cs336_basics",),
     ("cs336_systems.config",),
     ("cs336_systems.kernels",),
-    ("cs336_systems.attention", "cs336_systems.fused_model"),
+    ("cs336_systems.attention", "cs336_systems.fused_model", "cs336_systems.weight_copies"),
     ("cs336_systems.memory", "cs336_systems.parallel", "cs336_systems.profiling", "cs336_systems.analysis"),
     ("cs336_systems.recipe", "cs336_systems.results", "cs336_systems.plots"),
     ("cs336_systems.bench",),

@@ -417,9 +417,10 @@ def test_a_rows_age_counts_code_commits_only(tmp_path):
     assert commits_behind("0" * 40, tmp_path) is None
 
 
-def test_stack_section_keeps_one_card_and_runs_with_a_baseline(tmp_path):
-    """The size table sets ours beside the baseline of its own run on one card (the H200, issue 32's, where it has
-    rows): a newer run on another card, or a run of ours alone, does not replace a row; each row shows its spread."""
+def test_stack_section_keeps_one_table_per_card_and_runs_with_a_baseline(tmp_path):
+    """Each size table sets ours beside the baseline of its own run on one card, the H200's (issue 32's) first: a
+    newer run on another card gets a table of its own, a run of ours alone replaces no row; each row shows its
+    spread."""
     common = dict(preset="small", context=512, batch=4, dtype="bf16", mode="train-step", compile=False,
                   optimizer="fused", attention="triton", fused=True)
     rows = [_row("model", "ours", "time", 30.0, **common),
@@ -435,6 +436,7 @@ def test_stack_section_keeps_one_card_and_runs_with_a_baseline(tmp_path):
     text = _report_from(tmp_path, "model", rows)
     section = text[text.index("## Our stack against PyTorch"):text.index("## Fused LM head")]
     lines = [line for line in section.splitlines() if line.startswith("| small")]
-    assert len(lines) == 1 and lines[0].rstrip(" |").endswith("1.2")  # 30 / 25 on the H200
+    assert len(lines) == 2 and lines[0].rstrip(" |").endswith("1.2")  # 30 / 25 on the H200, its table first
     assert "| 10 / 1 " in lines[0]  # std over median, percent: ours 3 / 30, the baseline 0.25 / 25
-    assert "H100" not in section
+    assert lines[1].rstrip(" |").endswith("0.5")  # 10 / 20 on the H100, in a table of its own
+    assert section.index("H200") < section.index("H100") and "stack_by_size_1.png" in section

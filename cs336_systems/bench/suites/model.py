@@ -250,6 +250,11 @@ def row_config(case: ModelCase, cfg: ModelConfig) -> dict:
     config |= {"d_model": cfg.d_model, "num_layers": cfg.num_layers}
     if case.provider == "ours" and case.compile and case.fused and triton_ops_enabled():
         config["operators"] = "triton_op"
+    if case.provider == "ours" and case.fused:
+        from cs336_systems.fused_model import FP32_WEIGHT_GRADIENTS_FROM_THE_PRODUCT  # (imports Triton)
+
+        if not FP32_WEIGHT_GRADIENTS_FROM_THE_PRODUCT:
+            config["weight_gradients"] = "16-bit product, cast"  # CS336_FP32_WEIGHT_GRADIENTS=0 (an A/B run)
     return config
 
 

@@ -14,14 +14,13 @@ BEST_MODE_TARGET = 0.9  # issue 32: our best mode at most this fraction of the b
 TARGET_CARD = "H200"  # issue 32's targets are measured on it
 
 
-def _one_card(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of one card: the target card's where it has any, else the newest row's card (a table mixing cards
-    would set a run on one beside a run on another)."""
+def _cards(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """The rows split by card, the target card's first, then the others newest first: each card gets a table of its
+    own (a table mixing cards would set a run on one beside a run on another)."""
     names = col(rows, "device_name", "").fillna("").astype(str)
-    on_target = names.str.contains(TARGET_CARD)
-    if on_target.any():
-        return rows[on_target]
-    return rows[names == names.loc[rows["timestamp"].idxmax()]] if not rows.empty else rows
+    newest = rows.assign(card=names).groupby("card")["timestamp"].max().sort_values(ascending=False)
+    order = sorted(newest.index, key=lambda card: (TARGET_CARD not in card, list(newest.index).index(card)))
+    return [rows[names == card] for card in order]
 
 
 def _execution_mode(rows: pd.DataFrame) -> pd.Series:
@@ -39,19 +38,29 @@ def fused_model_path(doc: Document, r: Results) -> None:
                  & (col(model, "dtype") == "bf16")]
     if step.empty:
         return r.note_missing(doc, "fused model path", "model-suite rows with --fused (GPU)")
-    step = _one_card(step)
+    shown = 0
+    for number, card_rows in enumerate(_cards(step)):
+        shown += _size_table(doc, r, card_rows, "stack_by_size.png" if number == 0 else f"stack_by_size_{number}.png")
+    if not shown:
+        return r.note_missing(doc, "fused model path", "ours and the baseline measured in one run (GPU)")
+
+
+def _size_table(doc: Document, r: Results, step: pd.DataFrame, figure: str) -> int:
+    """One card's table (and plot, and best-mode summary) of `fused_model_path`; returns its number of rows."""
     # Only runs that timed the baseline too: a ratio is taken within one run.
     step = step[step["run_id"].isin(set(step.loc[step["provider"] == "baseline", "run_id"]))]
     fused = col(step, "fused", False).fillna(False).astype(bool)
     # Ours: the whole stack; and, compiled, the same without our pointwise operators (inductor generates RMSNorm,
     # the SwiGLU gate and RoPE itself), where a run measured it.
-    # (ours as it runs by default: an A/B run's rows without the weight copies, `--weight-copies off`, stay out)
-    copies_off = col(step, "weight_copies", None).astype(object).eq(False)
-    ours = step[(step["provider"] == "ours") & fused & ~copies_off]
+    # (ours as it runs by default: an A/B run's rows without the weight copies, `--weight-copies off`, or with 16-bit
+    # weight gradients, CS336_FP32_WEIGHT_GRADIENTS=0, stay out)
+    not_default = (col(step, "weight_copies", None).astype(object).eq(False)
+                   | col(step, "weight_gradients", None).notna())
+    ours = step[(step["provider"] == "ours") & fused & ~not_default]
     inductor = step[(step["provider"] == "ours") & ~fused & (col(step, "attention") == "triton")
                     & (col(step, "optimizer") == "fused") & col(step, "compile", False).fillna(False).astype(bool)]
     if ours.empty:
-        return r.note_missing(doc, "fused model path", "model-suite rows with --fused (GPU)")
+        return 0
     base = step[step["run_id"].isin(set(ours["run_id"]) | set(inductor["run_id"])) & (step["provider"] == "baseline")]
     rows = pd.concat([ours, inductor, base])
     rows = rows[rows["status"] == "ok"]
@@ -70,7 +79,7 @@ def fused_model_path(doc: Document, r: Results) -> None:
     rows = pd.concat([ours_rows, base_rows])
     rows = rows[rows["run_id"].isin(set(wide["run_id"]))]  # the rows the table shows: its environment line's
     if wide.empty:
-        return r.note_missing(doc, "fused model path", "ours and the baseline measured in one run (GPU)")
+        return 0
     # The run's spread beside its medians: a ratio inside the steps' noise is no evidence either way.
     def percent(std: pd.Series, median: pd.Series) -> pd.Series:
         return (100 * std / median).round().astype("Int64").astype(str)
@@ -92,8 +101,8 @@ def fused_model_path(doc: Document, r: Results) -> None:
                   "standard deviation over their median (a ratio within it is noise)"))
     from cs336_systems.plots import plot_ratio_by_size
 
-    plot_ratio_by_size(wide, r.figures_dir / "stack_by_size.png")
-    doc.add(Figure("figures/stack_by_size.png", "ours / baseline train-step time by size, one line per execution "
+    plot_ratio_by_size(wide, r.figures_dir / figure)
+    doc.add(Figure(f"figures/{figure}", "ours / baseline train-step time by size, one line per execution "
                    "mode, one panel per context; below the dashed line ours is faster"))
     current = _current_forms(wide)
     best = current.groupby(["preset", "context"], observed=True).agg(ours=("ours", "min"),
@@ -108,6 +117,7 @@ def fused_model_path(doc: Document, r: Results) -> None:
         + _range(current[current["mode"] == "eager"]["ours / baseline"]) + ", the compiled ones "
         + _range(current[current["mode"] == "compiled"]["ours / baseline"]) + " and the CUDA-graph ones "
         + _range(current[current["mode"] == "CUDA graphs"]["ours / baseline"]) + "."))
+    return len(wide)
 
 
 def _current_forms(wide: pd.DataFrame) -> pd.DataFrame:

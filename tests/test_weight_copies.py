@@ -183,3 +183,42 @@ def test_bad_copies_are_refused():
     p.grad = torch.ones(4)
     with pytest.raises(ValueError, match=r"compute_copy must match it \(shape \(4,\)"):
         FusedAdamW([p]).step()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["eager", "reduce-overhead"])
+def test_training_on_the_gpu_keeps_the_copies_current_without_the_hook(compile_mode):
+    """Five steps on CUDA with the FusedAdamW kernel, eagerly and with each block replayed as CUDA graphs: after each
+    step every copy equals its weight's bf16 cast with nothing left for the pre-hook to re-copy (the kernel wrote
+    them), and the losses follow the model without copies' (the fp32 weight gradients differ from its bf16 ones
+    by rounding only)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from cs336_systems.recipe import attention_context
+
+    losses = {}
+    for copies in (True, False):
+        recipe = Recipe(attention="triton", fused=True, fused_rope=True, optimizer="fused",
+                        weight_copy_dtype=torch.bfloat16 if copies else None,
+                        compile="block" if compile_mode != "eager" else "off",
+                        compile_mode=compile_mode if compile_mode != "eager" else "default")
+        torch._dynamo.reset()
+        model = build_model(CFG, recipe, "cuda")
+        optimizer = build_optimizer(model, recipe)
+        losses[copies] = []
+        with attention_context(recipe):
+            for step in range(5):
+                tokens = _tokens(step).cuda()
+                if compile_mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                optimizer.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", torch.bfloat16):
+                    loss = cross_entropy(model(tokens).float(), tokens)
+                loss.backward()
+                losses[copies].append(loss.item())
+                optimizer.step()
+                if copies:
+                    assert refresh_weight_copies(model) == 0
+                    for weight, copy in model._weight_copy_pairs:
+                        assert torch.equal(copy, weight.detach().to(torch.bfloat16))
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=2e-3, atol=0)

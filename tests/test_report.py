@@ -440,3 +440,22 @@ def test_stack_section_keeps_one_table_per_card_and_runs_with_a_baseline(tmp_pat
     assert "| 10 / 1 " in lines[0]  # std over median, percent: ours 3 / 30, the baseline 0.25 / 25
     assert lines[1].rstrip(" |").endswith("0.5")  # 10 / 20 on the H100, in a table of its own
     assert section.index("H200") < section.index("H100") and "stack_by_size_1.png" in section
+
+
+def test_weight_copies_section_sets_both_sides_beside_the_baseline_of_their_run(tmp_path):
+    """Ours with and without the copies and the baseline of the same run make one line with both ratios; a run
+    that timed one side only makes none."""
+    common = dict(preset="xl", context=512, batch=4, dtype="bf16", mode="train-step", compile=False,
+                  optimizer="fused", attention="triton", fused=True)
+    rows = [_row("model", "ours", "time", 120.0, **common | dict(weight_copies=True)),
+            _row("model", "ours", "time", 125.0, **common | dict(weight_copies=False)),
+            _row("model", "baseline", "time", 150.0, **common | dict(attention="sdpa", fused=False,
+                                                                      weight_copies=False)),
+            _row("model", "ours", "time", 99.0, **common | dict(weight_copies=True, preset="large"))]
+    rows[3].update(run_id="r2")
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## The weights' bf16 copies"):text.index("## Where our step")]
+    lines = [line for line in section.splitlines() if "| xl" in line or "| large" in line]
+    assert len(lines) == 1 and "fp32 from the product" in lines[0]
+    cells = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
+    assert cells[-5:] == ["150", "125", "120", "0.96", "0.8"], cells  # with / without 120 / 125, with / baseline

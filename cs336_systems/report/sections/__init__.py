@@ -31,6 +31,6 @@ SECTIONS = (
     implementation("fsdp"), distributed.fsdp_benchmarks, distributed.fsdp_accounting,
     distributed.alternate_ring_all_reduce, distributed.parallelism_calcs,
     leaderboard.leaderboard,
-    attention.attention_tuning, kernels.fused_model_path, kernels.stack_profile, kernels.fused_cross_entropy,
-    kernels.fused_ops,
+    attention.attention_tuning, kernels.fused_model_path, kernels.weight_copies, kernels.stack_profile,
+    kernels.fused_cross_entropy, kernels.fused_ops,
 )

@@ -120,6 +120,48 @@ def _size_table(doc: Document, r: Results, step: pd.DataFrame, figure: str) -> i
     return len(wide)
 
 
+def weight_copies(doc: Document, r: Results) -> None:
+    """Issue 32: our stack with and without the weights' bf16 copies (`--weight-copies on,off`), beside the baseline,
+    each row from one run; with 16-bit weight gradients too where a run was made with CS336_FP32_WEIGHT_GRADIENTS=0."""
+    doc.add(Heading("The weights' bf16 copies, with and without"))
+    model = r.frame("model")
+    step = model[(col(model, "metric") == "time") & (col(model, "mode") == "train-step")
+                 & (col(model, "status") == "ok")]
+    if step.empty:
+        return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
+    copies = col(step, "weight_copies", None).astype(object)
+    ours = step[(step["provider"] == "ours") & copies.isin([True, False])]
+    if ours.empty:
+        return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
+    runs = ours.groupby("run_id")["weight_copies"].agg(lambda v: {True, False} <= set(v))
+    runs = set(runs[runs].index) & set(step.loc[step["provider"] == "baseline", "run_id"])
+    rows = step[step["run_id"].isin(runs)]
+    if rows.empty:
+        return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
+    rows = rows.assign(execution=_execution_mode(rows),
+                       side=rows["provider"].where(rows["provider"] == "baseline",
+                                                   col(rows, "weight_copies", None).astype(object).map(
+                                                       {True: "with copies", False: "without"})),
+                       gradients=col(rows, "weight_gradients", None).astype(object).fillna("fp32 from the product"))
+    keys = ["run_id", "device_name", "preset", "context", "execution"]
+    wide = rows.pivot_table(index=keys, columns="side", values="median", aggfunc="last").reset_index()
+    gradients = rows[rows["provider"] == "ours"].groupby(keys)["gradients"].last().reset_index()
+    wide = wide.merge(gradients, on=keys).dropna(subset=["baseline", "with copies", "without"])
+    wide["with / without"] = (wide["with copies"] / wide["without"]).round(3)
+    wide["with / baseline"] = (wide["with copies"] / wide["baseline"]).round(3)
+    wide = wide.assign(card=wide["device_name"].str.replace("NVIDIA ", "", regex=False))
+    wide = wide.sort_values(["card", "preset", "context", "execution", "run_id"])
+    doc.add(Paragraph(
+        "`cs336-bench model --fused --optimizer fused --dtype bf16 --weight-copies on,off --provider ours,baseline` "
+        "(the weight copies: `cs336_systems/weight_copies.py`): train-step median ms of ours with and without them "
+        "and of the baseline, each line one run; `weight gradients` says how the weight gradients left the product "
+        "(fp32 by `mm` with out_dtype, the default, or a bf16 product and a cast). " + environment(rows)))
+    doc.add(Table(wide[["card", "preset", "context", "execution", "gradients", "baseline", "without", "with copies",
+                        "with / without", "with / baseline"]].rename(columns={"gradients": "weight gradients"})
+                  .round({"baseline": 1, "without": 1, "with copies": 1}),
+                  "train-step median ms; with / without below 1 means the copies made ours faster in that run"))
+
+
 def _current_forms(wide: pd.DataFrame) -> pd.DataFrame:
     """The table's rows of our current forms, with their execution mode less ", triton_op" as `mode`: where a
     (size, context, mode) has a triton_op row (the compiled default), not its earlier custom-operator row."""

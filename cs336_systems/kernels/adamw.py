@@ -74,13 +74,12 @@ def _kernel():
     return adamw_multi_tensor_kernel
 
 
-def _compute_copy(p: torch.Tensor) -> torch.Tensor | None:
-    """The parameter's compute-dtype copy (`weight_copies`), checked to match it, or None."""
-    copy = getattr(p, "compute_copy", None)
+def _check_copy(p: torch.Tensor, copy: torch.Tensor | None) -> None:
+    """A parameter's compute-dtype copy (`weight_copies`) must match it: where the kernel writes it, it is the
+    parameter's twin element for element."""
     if copy is not None and (copy.shape != p.shape or copy.device != p.device or not copy.is_contiguous()):
         raise ValueError(f"FusedAdamW: a parameter's compute_copy must match it (shape {tuple(p.shape)}, device "
                          f"{p.device}, contiguous), got shape {tuple(copy.shape)} on {copy.device}")
-    return copy
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -116,45 +115,49 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Host time matters here: a small model's CUDA-graph step is about 9 ms, and this loop visits every
+        # parameter each step. So each parameter's state is looked up once, its device checked on its first step
+        # (and again only if its gradient's device differs), its copy validated where the launch tables are built.
         for group in self.param_groups:
-            live = []
+            batches: dict[tuple, tuple[list, list, list]] = {}
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if not (p.is_contiguous() and p.grad.is_contiguous()):
+                if not (p.is_contiguous() and grad.is_contiguous()):
                     raise ValueError("FusedAdamW: parameters and gradients must be contiguous")
-                check_operator_device("FusedAdamW", p, p.grad)
                 state = self.state[p]
                 if not state:
+                    check_operator_device("FusedAdamW", p, grad)
                     state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["v"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["t"] = 0
+                elif grad.device != p.device:
+                    check_operator_device("FusedAdamW", p, grad)
                 state["t"] += 1
-                live.append(p)
-            if self.multi_tensor:
-                batches: dict[tuple, list] = {}
-                for p in live:  # one launch per (device, dtypes, step count): the scalars are shared
-                    copy = _compute_copy(p)
-                    key = (p.device, p.dtype, p.grad.dtype, None if copy is None else copy.dtype, self.state[p]["t"])
-                    batches.setdefault(key, []).append(p)
-                for (_, _, _, _, t), params in batches.items():
-                    self._launch(params, group, t)
-            else:
-                for p in live:
-                    self._launch([p], group, self.state[p]["t"])
+                copy = getattr(p, "compute_copy", None)
+                # one launch per (device, dtypes, step count): the scalars are shared
+                key = (p.device, p.dtype, grad.dtype, None if copy is None else copy.dtype, state["t"])
+                if not self.multi_tensor:
+                    key += (len(batches),)
+                params, states, copies = batches.setdefault(key, ([], [], []))
+                params.append(p)
+                states.append(state)
+                copies.append(copy)
+            for key, (params, states, copies) in batches.items():
+                self._launch(params, states, copies, group, key[4])
         return loss
 
-    def _update_eagerly(self, params, group, t: int) -> None:
+    def _update_eagerly(self, params, states, copies, group, t: int) -> None:
         """The kernel's update in torch, fp32 in between (the CPU without Triton's interpreter)."""
         decay, beta1, beta2, eps, step_size, bias2_sqrt = self._scalars(group, t)
-        for p in params:
-            state = self.state[p]
+        for p, state, copy in zip(params, states, copies):
             g = p.grad.float()
             m = state["m"].float().mul_(beta1).add_(g, alpha=1 - beta1)
             v = state["v"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
             denominator = v.sqrt().div_(bias2_sqrt).add_(eps) if self.maths == "torch" else v.sqrt().add_(eps)
             p.copy_(p.float().mul_(decay).addcdiv_(m, denominator, value=-step_size))
-            if (copy := _compute_copy(p)) is not None:
+            if copy is not None:
                 copy.copy_(p)
             state["m"].copy_(m)
             state["v"].copy_(v)
@@ -165,13 +168,14 @@ class FusedAdamW(torch.optim.Optimizer):
         step_size = lr / bias1 if self.maths == "torch" else lr * math.sqrt(bias2) / bias1
         return 1 - lr * wd, beta1, beta2, eps, step_size, math.sqrt(bias2)
 
-    def _tables(self, params) -> tuple[torch.Tensor, ...]:
-        """(sizes, block tensor index, block start, p/m/v addresses) of `params`, built once per set of tensors."""
-        states = [self.state[p] for p in params]
-        copies = [_compute_copy(p) for p in params]
+    def _tables(self, params, states, copies) -> tuple[torch.Tensor, ...]:
+        """(sizes, block tensor index, block start, p/m/v/copy addresses) of `params`, built once per set of
+        tensors (the copies checked against their parameters then)."""
         key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel(), 0 if c is None else c.data_ptr())
                     for p, s, c in zip(params, states, copies))
         if key not in self._tables_cache:
+            for p, copy in zip(params, copies):
+                _check_copy(p, copy)
             device = params[0].device
             tensor_of_block, start_of_block = [], []
             for i, p in enumerate(params):
@@ -200,12 +204,14 @@ class FusedAdamW(torch.optim.Optimizer):
             self._gradient_tables.pop(next(iter(self._gradient_tables)))
         return table
 
-    def _launch(self, params, group, t: int) -> None:
+    def _launch(self, params, states, copies, group, t: int) -> None:
         if not runs_kernel(params[0]):
-            self._update_eagerly(params, group, t)
+            for p, copy in zip(params, copies):
+                _check_copy(p, copy)
+            self._update_eagerly(params, states, copies, group, t)
             return
-        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr = self._tables(params)
-        copy = next((c for c in map(_compute_copy, params) if c is not None), None)
+        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr = self._tables(params, states, copies)
+        copy = next((c for c in copies if c is not None), None)  # (one batch: one copy dtype)
         if not block_tensor.numel():
             return
         _kernel()[(block_tensor.numel(),)](

@@ -13,10 +13,12 @@ w1/w3) are row blocks of one buffer, held by the attention or SwiGLU module as `
 product reads them as one matrix. Each weight knows its copy as `weight.compute_copy` (what FusedAdamW looks for).
 The products read a copy only under autocast to its dtype; otherwise the weight itself.
 
-A copy is current while its weight is written only by FusedAdamW or through ops its version counter sees
-(`load_state_dict`, `with torch.no_grad(): w.copy_(...)`): a forward pre-hook on the model re-copies, outside any
-compiled code, each weight whose version moved. Writes through `.data` are invisible to it (cs336_basics' AdamW
-writes so): after them call `refresh_weight_copies(model)`.
+A copy is current while its weight is written only by FusedAdamW (its kernel writes both, and leaves the version
+counter alone) or through ops the version counter sees (`load_state_dict`, `with torch.no_grad(): w.copy_(...)`,
+cs336_basics' and torch's optimizers): a forward pre-hook on the model re-copies, outside any compiled code, each
+weight whose version moved (with another optimizer that is a copy of every weight each step: correct, and no
+faster than autocast's casts). Writes through `.data` are invisible to it: after them call
+`refresh_weight_copies(model)`.
 """
 
 from __future__ import annotations

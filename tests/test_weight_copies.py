@@ -106,6 +106,28 @@ def test_a_weight_written_outside_the_optimizer_is_recopied_before_the_forward(c
     assert not model.lm_head.weight_copy.any()
 
 
+def test_another_optimizer_leaves_the_copies_to_the_pre_hook(cpu_maths):
+    """cs336_basics' AdamW writes the weights in place under no_grad: their versions move, and the next forward reads
+    fresh copies (the same losses as the model without copies)."""
+    from cs336_basics.optimizer import AdamW
+
+    losses = []
+    for copies in (True, False):
+        model = build_model(CFG, _recipe(False), "cpu")
+        if copies:
+            attach_weight_copies(model)
+        optimizer = AdamW(model.parameters(), lr=1e-2)
+        losses.append([])
+        for step in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = cross_entropy(model(_tokens(step)).float(), _tokens(step))
+            loss.backward()
+            optimizer.step()
+            losses[-1].append(loss.item())
+    assert losses[0] == losses[1]
+
+
 def _eager_and_compiled_gradients(copies: bool, device: str):
     """One step's gradients under bf16 autocast, eagerly and then with each block compiled with fullgraph=True
     (as the recipe's block scope compiles them); dynamo's graph breaks asserted none."""

@@ -49,6 +49,17 @@ fp32_case8_checks() {
     --launcher python > "$OUT/fuzz_ratios_case8.txt" 2>&1; tail -10 "$OUT/fuzz_ratios_case8.txt"
 }
 
+# Every size (small..xl) at the given contexts and torch.compile settings, ours against the baseline, train step;
+# EXTRA passes more model-suite options (e.g. --weight-copies on,off).
+#   every_size SECONDS CONTEXTS COMPILES [EXTRA...]
+every_size() {
+  local limit=$1 contexts=$2 compiles=$3
+  shift 3
+  timeout "$limit" python3 -m cs336_systems.bench model --preset small,medium,large,xl --context "$contexts" \
+    --dtype bf16 --compile "$compiles" --compile-scope block --provider ours,baseline --attention triton --fused \
+    --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" "$@" 2>&1 | tail -40
+}
+
 run_stage() {
   case "$1" in
     env)
@@ -169,9 +180,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         -k "native or operators or compile or cuda_graph or opcheck or one_product"
       timeout 150 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
         --variants ours,ours-python-attention,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -5
-      timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
+      every_size 200 512 on,reduce-overhead
       timeout 100 python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 --provider ours,baseline \
         --compile on --compile-scope block --attention triton --fused --optimizer fused --mode train-step --profile \
         --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_compiled.log" 2>&1
@@ -260,18 +269,13 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # compiled and as CUDA graphs, ours with and without the copies against the baseline, in one run.
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
-      timeout 420 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --weight-copies on,off --mode train-step --warmup 3 --steps 8 --no-progress \
-        --results-dir "$R" 2>&1 | tail -40
+      every_size 420 512 off,on,reduce-overhead --weight-copies on,off
       ;;
     session26)
       # The thirteenth session's second call (~8 min): every size at ctx 512 in the three modes (with session25, one
       # card and one commit for the whole size table), then xl at ctx 512 profiled, ours against the baseline (kernel
       # time per kind: how much xl's head dim 80, padded to 128 in our kernels, costs).
-      timeout 330 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 330 512 off,on,reduce-overhead
       timeout 150 python3 -m cs336_systems.bench model --preset xl --context 512 --dtype bf16 --provider ours,baseline \
         --compile on --compile-scope block --attention triton --fused --optimizer fused --mode train-step --profile \
         --warmup 3 --steps 5 --no-progress --results-dir "$R" > "$OUT/profile_xl.log" 2>&1
@@ -280,12 +284,8 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
     session25)
       # The thirteenth session's sweep (~10 min): every size at ctx 2048 and 128, eager, compiled and as CUDA graphs
       # against the baseline, at today's code (the rows there were from before the merged products' compile fix).
-      timeout 330 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 2048 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
-      timeout 230 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 128 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 330 2048 off,on,reduce-overhead
+      every_size 230 128 off,on,reduce-overhead
       ;;
     session22)
       # The eleventh session's first call (~8 min): fuzz case 8's dV taken apart on the GPU (the kernels' row
@@ -296,9 +296,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       cat "$OUT/dv_probe_case8.txt" | tail -20
       gpu_tests session22 90 tests/test_operators.py tests/test_kernels_flash_attention.py \
         -k "compiles_with_the_kernels or cuda_graph or native"
-      timeout 270 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 270 512 off,on,reduce-overhead
       ;;
     session24)
       # The twelfth session's check (~4 min): the fp32 backward's exp2 back on the instruction (the polynomial
@@ -321,9 +319,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session18 150 tests/test_kernels_flash_fuzz.py \
         tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py tests/test_operators.py \
         -k "(fuzz and gpu and fp32) or forward or native or compiles_with_the_kernels or cuda_graph"
-      timeout 270 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 270 512 off,on,reduce-overhead
       ;;
     session16)
       # The tenth 2026-12-06 session's first call (~8 min): fp32's IEEE-rounded 1 / l and O = acc / l (Triton's `/`
@@ -349,9 +345,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # sizes the time left allows.
       gpu_tests session14 90 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
         -k "rope or one_product or compiles_with_the_kernels or cuda_graph"
-      timeout 270 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 270 512 off,on,reduce-overhead
       timeout 100 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
         --compile reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -10
@@ -360,9 +354,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # session14 cut to what a short budget allows (~4 min): RoPE's GPU tests, then every size at ctx 512 compiled
       # and as CUDA graphs against the baseline (the sizes the time limit allows, smallest first).
       gpu_tests session15 60 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py -k "rope"
-      timeout 150 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
+      every_size 150 512 on,reduce-overhead
       ;;
     session9)
       # The eighth 2026-12-05 session's call (~9 min; carry [".whl"] for Liger): (1) the GPU tests of what it
@@ -373,9 +365,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # shape; (4) issue 35's d 256 attention against d 128.
       gpu_tests session9 130 tests/test_operators.py tests/test_kernels_rmsnorm_swiglu.py \
         tests/test_kernels_cross_entropy.py -k "compile or opcheck or packed or cuda_graph or merged or cross_entropy"
-      timeout 240 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile off,on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -26
+      every_size 240 512 off,on,reduce-overhead
       liger_on_path
       timeout 90 python3 -m cs336_systems.bench cross-entropy --tokens 8192,32768 --provider fused,fused-lean,liger \
         --no-progress --results-dir "$R" 2>&1 | tail -5
@@ -386,9 +376,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # found them off on torch 2.11: dynamo did not resolve the Linears' patched forward; now a mark decides),
       # its GPU tests, every size at ctx 512 compiled and as CUDA graphs, and a compiled small step's host time.
       gpu_tests session10 100 tests/test_operators.py -k "one_product or compiles_with_the_kernels or cuda_graph"
-      timeout 200 python3 -m cs336_systems.bench model --preset small,medium,large,xl --context 512 --dtype bf16 \
-        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
-        --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -18
+      every_size 200 512 on,reduce-overhead
       timeout 100 python3 scripts/step_host_profile.py --preset small --context 512 --compile on --steps 10 \
         --variants ours,baseline --out "$R/host_profile" 2>&1 | grep -v Warn | tail -4
       ;;

@@ -18,9 +18,8 @@ def _cards(rows: pd.DataFrame) -> list[pd.DataFrame]:
     """The rows split by card, the target card's first, then the others newest first: each card gets a table of its
     own (a table mixing cards would set a run on one beside a run on another)."""
     names = col(rows, "device_name", "").fillna("").astype(str)
-    newest = rows.assign(card=names).groupby("card")["timestamp"].max().sort_values(ascending=False)
-    order = sorted(newest.index, key=lambda card: (TARGET_CARD not in card, list(newest.index).index(card)))
-    return [rows[names == card] for card in order]
+    newest_first = rows.assign(card=names).groupby("card")["timestamp"].max().sort_values(ascending=False).index
+    return [rows[names == card] for card in sorted(newest_first, key=lambda card: TARGET_CARD not in card)]
 
 
 def _execution_mode(rows: pd.DataFrame) -> pd.Series:
@@ -127,21 +126,17 @@ def weight_copies(doc: Document, r: Results) -> None:
     model = r.frame("model")
     step = model[(col(model, "metric") == "time") & (col(model, "mode") == "train-step")
                  & (col(model, "status") == "ok")]
-    if step.empty:
-        return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
-    copies = col(step, "weight_copies", None).astype(object)
-    ours = step[(step["provider"] == "ours") & copies.isin([True, False])]
-    if ours.empty:
-        return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
-    runs = ours.groupby("run_id")["weight_copies"].agg(lambda v: {True, False} <= set(v))
-    runs = set(runs[runs].index) & set(step.loc[step["provider"] == "baseline", "run_id"])
-    rows = step[step["run_id"].isin(runs)]
+    # The runs that timed ours with and without the copies, and the baseline.
+    rows = step.iloc[:0]
+    if not step.empty:
+        copies = col(step, "weight_copies", None).astype(object)
+        step = step.assign(side=step["provider"].where(step["provider"] == "baseline",
+                                                       copies.map({True: "with copies", False: "without"})))
+        complete = step.groupby("run_id")["side"].agg(lambda v: {"with copies", "without", "baseline"} <= set(v))
+        rows = step[step["run_id"].isin(complete[complete].index)]
     if rows.empty:
         return r.note_missing(doc, "weight copies", "model-suite rows with --weight-copies on,off (GPU)")
     rows = rows.assign(execution=_execution_mode(rows),
-                       side=rows["provider"].where(rows["provider"] == "baseline",
-                                                   col(rows, "weight_copies", None).astype(object).map(
-                                                       {True: "with copies", False: "without"})),
                        gradients=col(rows, "weight_gradients", None).astype(object).fillna("fp32 from the product"))
     keys = ["run_id", "device_name", "preset", "context", "execution"]
     wide = rows.pivot_table(index=keys, columns="side", values="median", aggfunc="last").reset_index()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -246,6 +246,33 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         cp "$variant"/*.py "/tmp/$name"/cs336_systems/kernels/flash_attention/
         fp32_variant "${name#variant_}" "/tmp/$name"
       done
+      ;;
+    session30)
+      # The fourteenth session's first call (~8 min), issue 33: the fp32 fuzz's ratios with S summed in fp64 (the
+      # tree), and the fp32 forward and backward time of the tree against the one fp32 chain it replaced
+      # (scripts/fp32_variants/fp32_scores.patch), both autotuned, in one process each on this machine.
+      FP32_VARIANTS="tree" run_stage fp32-variants
+      scratch_tree_old=/tmp/fp32_scores
+      rm -rf "$scratch_tree_old" && mkdir -p "$scratch_tree_old" && cp -r cs336_basics cs336_systems scripts tests "$scratch_tree_old"/
+      old_patch="$PWD/scripts/fp32_variants/fp32_scores.patch"
+      (cd "$scratch_tree_old" && if command -v patch >/dev/null; then patch -p1 -s < "$old_patch"; else
+        git apply -p1 "$old_patch"; fi) || echo "--- the patch does not apply"
+      mkdir -p "$R/fp32_timing"
+      for variant in tree fp32_scores; do
+        tree=$PWD; [ "$variant" = tree ] || tree=$scratch_tree_old
+        echo "--- fp32 timing: $variant"
+        (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 150 \
+          python3 -m cs336_systems.bench attention --batch 1 --heads 1 --seq 2048,8192 --d 64,128 --dtype fp32 \
+          --causal on --provider triton --pass fwd,bwd --no-progress --results-dir "$R/fp32_timing/$variant" 2>&1 \
+          | tail -12)
+      done
+      ;;
+    session31)
+      # The fourteenth session's tests (~5 min): the fp32 GPU fuzz of both FA2 classes (issue 33's judge), the
+      # FlashAttention tests in fp32, and the 16-bit fuzz at today's kernels.
+      gpu_tests session31_fp32 150 tests/test_kernels_flash_fuzz.py -k "gpu and fp32"
+      gpu_tests session31_flash 150 tests/test_kernels_flash_attention.py -k "float32 or fp32"
+      gpu_tests session31_16bit 200 tests/test_kernels_flash_fuzz.py -k "gpu and (bf16 or fp16)"
       ;;
     session29)
       # The thirteenth session's closing check (~3 min): the weight copies' tests on the GPU, training included

@@ -43,7 +43,7 @@ from cs336_systems.kernels.flash_attention.backward_tiles import (
     prune_backward,
     prune_split,
 )
-from cs336_systems.kernels.flash_attention.forward import LOG2E
+from cs336_systems.kernels.flash_attention.forward import LOG2E, scaled_scores
 
 # Which key gradients a dK/dV pass forms (KEY_GRADS): both (0, the parameters' default), or one of them, for the
 # split passes of wide heads (`flash_key_grad_kernel`, dispatch's "dkdv-split").
@@ -93,7 +93,7 @@ def add_compensated(total, error, part):
 def _row_scores(q, kT, offs_m, tile_start, n_keys, qk_scale, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
                 PRECISION: tl.constexpr):
     """One tile of log2-domain scores, -inf where a key is past n_keys or (causal) right of the query."""
-    s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale
+    s = scaled_scores(q, kT, qk_scale, PRECISION)
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     keep = offs_n[None, :] < n_keys
     if IS_CAUSAL:
@@ -183,7 +183,7 @@ def _dkdv_query_tiles(dk, dv, k, v, qT_block, do_block, lse_row, delta_row, inv_
         else:
             lse = tl.load(lse_row + offs_m)
             delta = tl.load(delta_row + offs_m)
-        sT = tl.dot(k, qT, input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        sT = scaled_scores(k, qT, qk_scale, PRECISION)  # (BLOCK_N, BLOCK_M), log2 units
         if PRECISION != "tf32":
             inv_sum = tl.load(inv_sum_row + offs_m, mask=offs_m < n_queries, other=0.0)
             pT = tl.math.exp2(sT - lse[None, :]) * inv_sum[None, :]
@@ -235,7 +235,7 @@ def _dq_key_tiles(dq, q, do, lse, inv_sum, delta, kT_block, vT_block, offs_m, st
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         vT = tiles.load_tile(vT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)
-        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s = scaled_scores(q, kT, qk_scale, PRECISION)  # (BLOCK_M, BLOCK_N)
         if PRECISION != "tf32":
             p = tl.math.exp2(s - lse[:, None]) * inv_sum[:, None]
         else:

@@ -9,12 +9,13 @@ from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_fa
 # Tile sizes from `cs336-bench attention-tune` on the H200 (results/attention-tune.jsonl, bf16 causal
 # 1x32x32768x128 and 4x32x16384x64): each list holds the winners at d 64 and d 128 first, then smaller
 # tiles that fit wide heads (fp32 at d 128, d 256).
-# IEEE fp32 (fp32 without allow_tf32) runs FMA dots, which spill on the tensor-core tiles (ptxas, sm_90, d 64:
-# dK/dV 64 x 64 on 4 warps 12.6 KB, dQ 128 x 64 on 8 warps 5 KB): these spread the tiles over more warps. Each
-# family's first fits d 64 without spilling; at d 128 the wide-head rule skips to one that does (dK/dV 32 x 32 on
-# 16 warps, dQ 64 x 32 on 16). `python scripts/flash_ptx_schedule.py --kernel dkdv,dq --dtype fp32 --d 128`.
-DKDV_IEEE_FP32_TILES = ((64, 64, 16, 2), (32, 32, 16, 2), (32, 64, 8, 2), (16, 32, 8, 2), (32, 32, 4, 2))
-DQ_IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2))
+# IEEE fp32 (fp32 without allow_tf32) runs FMA dots, and forms S in fp64 on the fp64 tensor cores
+# (`forward.scaled_scores`), whose operands and accumulator double a tile's registers: the 16-warp tiles that fit the
+# FMA dots alone spilled 4.6-9.8 KB (dK/dV) and 1.8-4.6 KB (dQ) with them. Each family's first spills nothing at
+# d 64 (dK/dV 16 x 32 on 8 warps, dQ 32 x 32 on 8); at d 128 the wide-head rule keeps the same first (328 B and 20 B).
+# `python scripts/flash_ptx_schedule.py --kernel dkdv,dq,row-stats --dtype fp32 --d 128`.
+DKDV_IEEE_FP32_TILES = ((16, 32, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2), (16, 16, 4, 2), (64, 64, 16, 2))
+DQ_IEEE_FP32_TILES = ((32, 32, 8, 2), (64, 16, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (64, 64, 16, 2))
 # fp32 on tensor cores (tf32x3, tf32): fp32 tiles take twice a 16-bit tile's shared memory, and tf32x3 (with
 # the compensated accumulators) holds split operands and two accumulators per gradient. ptxas, sm_90, tf32x3:
 # the dK/dV pass spills 20 B (32 x 32) to 3 KB (64 x 64 on 8 warps) at d 64, and 1.3-9.6 KB at d 128 where

@@ -33,6 +33,18 @@ MASK_VALUE_LOG2 = tl.constexpr(-1e6 * LOG2E.value)  # the assignment's -1e6, in 
 
 
 @triton.jit
+def scaled_scores(a, b, qk_scale, PRECISION: tl.constexpr):
+    """a @ b * qk_scale, the scores in log2 units. IEEE fp32 sums the products in fp64 (on Hopper's fp64 tensor
+    cores) and rounds once: one fp32 FMA chain over the head dim put the fp32 fuzz's worst case at 2.4x PyTorch's
+    own error, where the fp64 sum leaves every case within 2x (notes/flash_attention.md)."""
+    if PRECISION == "ieee":
+        s = (tl.dot(a.to(tl.float64), b.to(tl.float64)) * qk_scale).to(tl.float32)
+    else:
+        s = tl.dot(a, b, input_precision=PRECISION) * qk_scale
+    return s
+
+
+@triton.jit
 def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_n, n_keys, qk_scale,
                       MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False):
@@ -44,7 +56,7 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
     for tile_start in range(start_n, end_n, BLOCK_N):
         kT = tiles.load_tile(kT_block, tile_start, MASKED or not EVEN_D, True, USE_TMA)  # (BLOCK_D, BLOCK_N)
         v = tiles.load_tile(v_block, tile_start, MASKED or not EVEN_D, False, USE_TMA)  # (BLOCK_N, BLOCK_D)
-        s = tl.dot(q, kT, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = scaled_scores(q, kT, qk_scale, PRECISION)  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             offs_n = tile_start + tl.arange(0, BLOCK_N)
             if IS_CAUSAL:
@@ -62,12 +74,12 @@ def _attend_key_tiles(acc, m_i, l_i, q, kT_block, v_block, offs_m, start_n, end_
     return acc, m_i, l_i
 
 
-# IEEE fp32 (fp32 inputs without allow_tf32): FMA dots, which spill on the tensor-core tiles at d >= 64 (ptxas,
-# sm_90: 128 x 128 on 8 warps 7 KB at d 64; 64 x 64 on 4 warps 53 KB at d 128; at seq 2048 the forward ran 18x
-# (d 64) and 41x (d 128) slower than naive fp32). 64 x 64 and 64 x 32 on 16 warps and 32 x 16 on 8 do not spill
-# at d 128, 64 x 32 on 8 and 32 x 32 on 4 not at d 64
-# (`python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32 --d 128 --config 64x64x16x2`).
-IEEE_FP32_TILES = ((64, 64, 16, 2), (64, 32, 16, 2), (64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 8, 2))
+# IEEE fp32 (fp32 inputs without allow_tf32): FMA dots for P V and S in fp64 (`scaled_scores`). FMA dots spill on
+# the tensor-core tiles at d >= 64 (ptxas, sm_90: 128 x 128 on 8 warps 7 KB at d 64; 64 x 64 on 4 warps 53 KB at
+# d 128; at seq 2048 the forward ran 18x (d 64) and 41x (d 128) slower than naive fp32); with S in fp64, 64 x 64 on
+# 8 warps spills nothing at d 128 (190 registers) where 16 warps spill 468 B
+# (`python scripts/flash_ptx_schedule.py --kernel forward --dtype fp32 --d 128 --config 64x64x8x2`).
+IEEE_FP32_TILES = ((64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 16, 2), (32, 32, 4, 2), (32, 16, 8, 2))
 # fp32 on tensor cores (tf32x3, tf32): fp32 tiles take twice a 16-bit tile's shared memory (64 x 64 in 3 stages
 # is 256 KiB at d 128, past the H200's 227), and tf32x3 splits each operand in registers. ptxas (sm_90,
 # tf32x3) spills at most 44 B on these at d 64, and at d 128 (the wide-head rule leaves the last four) at most

@@ -248,10 +248,10 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       done
       ;;
     session30)
-      # The fourteenth session's first call (~8 min), issue 33: the fp32 fuzz's ratios with S summed in fp64 (the
-      # tree), and the fp32 forward and backward time of the tree against the one fp32 chain it replaced
-      # (scripts/fp32_variants/fp32_scores.patch), both autotuned, in one process each on this machine.
-      FP32_VARIANTS="tree" run_stage fp32-variants
+      # The fourteenth session's first call (~9 min), issue 33: the fp32 GPU fuzz of both FA2 classes with S summed
+      # in fp64 (the judge), then the fp32 forward and backward time of the tree against the one fp32 chain it
+      # replaced (scripts/fp32_variants/fp32_scores.patch), both autotuned, one process each on this machine.
+      gpu_tests session30_fp32 150 tests/test_kernels_flash_fuzz.py -k "gpu and fp32"
       scratch_tree_old=/tmp/fp32_scores
       rm -rf "$scratch_tree_old" && mkdir -p "$scratch_tree_old" && cp -r cs336_basics cs336_systems scripts tests "$scratch_tree_old"/
       old_patch="$PWD/scripts/fp32_variants/fp32_scores.patch"
@@ -261,18 +261,18 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       for variant in tree fp32_scores; do
         tree=$PWD; [ "$variant" = tree ] || tree=$scratch_tree_old
         echo "--- fp32 timing: $variant"
-        (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 150 \
+        (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 200 \
           python3 -m cs336_systems.bench attention --batch 1 --heads 1 --seq 2048,8192 --d 64,128 --dtype fp32 \
           --causal on --provider triton --pass fwd,bwd --no-progress --results-dir "$R/fp32_timing/$variant" 2>&1 \
           | tail -12)
       done
       ;;
     session31)
-      # The fourteenth session's tests (~5 min): the fp32 GPU fuzz of both FA2 classes (issue 33's judge), the
-      # FlashAttention tests in fp32, and the 16-bit fuzz at today's kernels.
-      gpu_tests session31_fp32 150 tests/test_kernels_flash_fuzz.py -k "gpu and fp32"
-      gpu_tests session31_flash 150 tests/test_kernels_flash_attention.py -k "float32 or fp32"
-      gpu_tests session31_16bit 200 tests/test_kernels_flash_fuzz.py -k "gpu and (bf16 or fp16)"
+      # The fourteenth session's second call (~9 min): the FlashAttention tests in fp32 and the 16-bit GPU fuzz at
+      # today's kernels (issue 33's counts), then the fp32 fuzz's ratios over all 200 cases (mean, p95, max).
+      gpu_tests session31_flash 120 tests/test_kernels_flash_attention.py -k "float32 or fp32"
+      gpu_tests session31_16bit 240 tests/test_kernels_flash_fuzz.py -k "gpu and (bf16 or fp16)"
+      FP32_VARIANTS="tree" run_stage fp32-variants
       ;;
     session29)
       # The thirteenth session's closing check (~3 min): the weight copies' tests on the GPU, training included

@@ -576,6 +576,24 @@ def test_split_key_passes_run_on_wgmma_at_d256(kernel):
     assert shared and int(shared.group(1)) < 227 and spilled and int(spilled.group(1)) <= 128, line
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ieee_fp32_kernels_sum_scores_on_fp64_tensor_cores_without_spilling(head_dim, tmp_path):
+    """IEEE fp32 forms S = Q K^T in fp64 (`forward.scaled_scores`): each kernel's first IEEE tile (what
+    CS336_AUTOTUNE=0 launches) compiles for sm_90 with its score product on the fp64 tensor cores and spills at most
+    a few hundred bytes (the FMA-only tiles it replaced spilled 1.6-9.8 KB with fp64 scores)."""
+    pytest.importorskip("triton")
+    done = _run_ptx_script("--kernel", "forward,dkdv,dq,row-stats", "--dtype", "fp32", "--precision", "ieee",
+                           "--d", str(head_dim), "--ptx-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["forward", "dkdv", "dq", "row-stats"], lines
+    for line in lines:
+        spilled = re.search(r"(\d+) B spilled", line)
+        assert spilled and int(spilled.group(1)) <= 400, line
+    ptx = sorted(tmp_path.glob("*.ptx"))
+    assert len(ptx) == 4 and all(re.search(r"mma\.sync\.aligned\.\w+\.row\.col\.f64", p.read_text()) for p in ptx)
+
+
 @pytest.mark.parametrize("kernel", ["forward", "dkdv", "fused", "dq"])
 def test_fp32_tensor_core_first_configs_fit_shared_memory_at_d128(kernel):
     """fp32 tiles on tensor cores take twice a 16-bit tile's shared memory: the first config the wide-head rule

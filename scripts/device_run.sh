@@ -252,6 +252,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # in fp64 (the judge), then the fp32 forward and backward time of the tree against the one fp32 chain it
       # replaced (scripts/fp32_variants/fp32_scores.patch), both autotuned, one process each on this machine.
       gpu_tests session30_fp32 150 tests/test_kernels_flash_fuzz.py -k "gpu and fp32"
+      gpu_tests session30_adapters 90 tests/test_adapters_attention.py tests/test_kernels_flash_fp32_precision.py
       scratch_tree_old=/tmp/fp32_scores
       rm -rf "$scratch_tree_old" && mkdir -p "$scratch_tree_old" && cp -r cs336_basics cs336_systems scripts tests "$scratch_tree_old"/
       old_patch="$PWD/scripts/fp32_variants/fp32_scores.patch"
@@ -261,7 +262,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       for variant in tree fp32_scores; do
         tree=$PWD; [ "$variant" = tree ] || tree=$scratch_tree_old
         echo "--- fp32 timing: $variant"
-        (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 200 \
+        (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 150 \
           python3 -m cs336_systems.bench attention --batch 1 --heads 1 --seq 2048,8192 --d 64,128 --dtype fp32 \
           --causal on --provider triton --pass fwd,bwd --no-progress --results-dir "$R/fp32_timing/$variant" 2>&1 \
           | tail -12)

@@ -3,7 +3,9 @@
 bf16 / fp16 dots always run on tensor cores. fp32 has three choices (Triton's `input_precision`):
 
 * "ieee": fp32 products on CUDA cores (FMA), the scores S = Q K^T summed in fp64 on the fp64 tensor cores and
-  rounded once (`forward.scaled_scores`). torch.matmul's arithmetic, and our default.
+  rounded once (`forward.scaled_scores`). torch.matmul's arithmetic, and our default. The fp64 sum is fast where
+  fp64 is (A100, H100/H200: fp64 tensor cores); GPUs with 1/64-rate fp64 (most GeForce cards) pay for it in S,
+  and "tf32x3" is their fast fp32-accurate choice.
 * "tf32x3": each operand split into a TF32 high part and a TF32 low part, three tensor-core products
   (the low x low one dropped): close to fp32 accuracy at tensor-core speed. This is the arithmetic of SDPA's
   efficient (CUTLASS) backend for fp32 on sm_80 and later (`OpMultiplyAddFastF32`), so it is the like-for-like

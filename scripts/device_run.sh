@@ -60,6 +60,16 @@ every_size() {
     --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" "$@" 2>&1 | tail -40
 }
 
+# A fresh copy of the tree at /tmp/NAME, for a variant of it (a patch applied, files copied over).
+#   scratch_tree NAME
+scratch_tree() {
+  rm -rf "/tmp/$1" && mkdir -p "/tmp/$1" && cp -r cs336_basics cs336_systems scripts tests "/tmp/$1"/
+}
+
+# Apply a patch (-p1) to the current directory: patch(1), or git apply where the image lacks it (it applies outside a
+# repository too).   apply_patch PATCH_PATH
+apply_patch() { if command -v patch >/dev/null; then patch -p1 -s < "$1"; else git apply -p1 "$1"; fi; }
+
 run_stage() {
   case "$1" in
     env)
@@ -217,9 +227,6 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         python3 scripts/flash_fuzz_ratios.py --summarize "$R"/fp32_variants/"${name}"_*.txt
         grep -h "failed:" "$R"/fp32_variants/"${name}"_*.txt | head -5
       }
-      scratch_tree() {  # NAME -> a fresh copy of the tree at /tmp/NAME
-        rm -rf "/tmp/$1" && mkdir -p "/tmp/$1" && cp -r cs336_basics cs336_systems scripts tests "/tmp/$1"/
-      }
       mkdir -p "$R/fp32_variants"  # (16 files a variant: packed into results.tgz, not each brought back)
       # FP32_VARIANTS picks some by name (two fit in one call's 10 minutes), e.g. "tree two_chains".
       wanted() { [ -z "${FP32_VARIANTS:-}" ] || [[ " $FP32_VARIANTS " == *" $1 "* ]]; }
@@ -230,8 +237,6 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         wanted "$name" || continue
         patch_path="$PWD/$patch_file"
         scratch_tree "$name"
-        # (git apply where the image lacks patch(1): it applies outside a repository too)
-        apply_patch() { if command -v patch >/dev/null; then patch -p1 -s < "$1"; else git apply -p1 "$1"; fi; }
         if (cd "/tmp/$name" && apply_patch "$patch_path"); then
           fp32_variant "$name" "/tmp/$name"
         else
@@ -253,14 +258,12 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # replaced (scripts/fp32_variants/fp32_scores.patch), both autotuned, one process each on this machine.
       gpu_tests session30_fp32 150 tests/test_kernels_flash_fuzz.py -k "gpu and fp32"
       gpu_tests session30_adapters 90 tests/test_adapters_attention.py tests/test_kernels_flash_fp32_precision.py
-      scratch_tree_old=/tmp/fp32_scores
-      rm -rf "$scratch_tree_old" && mkdir -p "$scratch_tree_old" && cp -r cs336_basics cs336_systems scripts tests "$scratch_tree_old"/
+      scratch_tree fp32_scores
       old_patch="$PWD/scripts/fp32_variants/fp32_scores.patch"
-      (cd "$scratch_tree_old" && if command -v patch >/dev/null; then patch -p1 -s < "$old_patch"; else
-        git apply -p1 "$old_patch"; fi) || echo "--- the patch does not apply"
+      (cd /tmp/fp32_scores && apply_patch "$old_patch") || echo "--- the patch does not apply"
       mkdir -p "$R/fp32_timing"
       for variant in tree fp32_scores; do
-        tree=$PWD; [ "$variant" = tree ] || tree=$scratch_tree_old
+        tree=$PWD; [ "$variant" = tree ] || tree=/tmp/$variant
         echo "--- fp32 timing: $variant"
         (cd "$tree" && PYTHONPATH="$tree" CS336_GIT_COMMIT="${CS336_GIT_COMMIT:-unknown}-$variant" timeout 150 \
           python3 -m cs336_systems.bench attention --batch 1 --heads 1 --seq 2048,8192 --d 64,128 --dtype fp32 \

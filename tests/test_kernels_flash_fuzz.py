@@ -36,13 +36,6 @@ def fuzz_cases(n: int = N_CASES, seed: int = 0) -> list[tuple[tuple, bool]]:
 
 CASES = fuzz_cases()
 
-# fp32, the Triton kernels: their backward recomputes P from each row's max and inverse sum and forms
-# D = rowsum(P dP) (`backward.flash_row_stats_kernel`), as PyTorch's softmax does (P from the saved L and
-# D = rowsum(O dO) put 5 of these 200 cases over 2x under the interpreter, up to 5.25x), and every pass sums the
-# scores S = Q K^T in fp64 and rounds them once (`forward.scaled_scores`): with one fp32 chain over the head dim,
-# 2 of 200 cases were over 2x under the interpreter (numpy's sgemm of a zero-padded tile) and 1 on the GPU
-# (case 8's dV at 1.18x the budget: notes/flash_attention.md).
-
 
 def fuzz_inputs(case_index: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, ...]:
     """Case `case_index`'s q, k, v (requiring grad) and dO, seeded by the case (`scripts/flash_dv_probe.py` takes
@@ -94,6 +87,12 @@ def test_pytorch_flash_fuzz_cpu(dtype_name, case_index):
     _check(FlashAttentionPytorch.apply, case_index, DTYPES[dtype_name], "cpu")
 
 
+# fp32, the Triton kernels: their backward recomputes P from each row's max and inverse sum and forms
+# D = rowsum(P dP) (`backward.flash_row_stats_kernel`), as PyTorch's softmax does (P from the saved L and
+# D = rowsum(O dO) put 5 of these 200 cases over 2x under the interpreter, up to 5.25x), and every pass sums the
+# scores S = Q K^T in fp64 and rounds them once (`forward.scaled_scores`): with one fp32 chain over the head dim,
+# 2 of 200 cases were over 2x under the interpreter (numpy's sgemm of a zero-padded tile) and 1 on the GPU
+# (case 8's dV at 1.18x the budget: notes/flash_attention.md).
 @pytest.mark.parametrize("dtype_name, case_index", _params(("fp32",)))
 def test_triton_flash_fuzz_interpreter(dtype_name, case_index):
     if kernel_device() != "cpu":

@@ -12,7 +12,8 @@ from cs336_systems.kernels._triton_utils import autotune_enabled, configs_for_fa
 # IEEE fp32 (fp32 without allow_tf32) runs FMA dots, and forms S in fp64 on the fp64 tensor cores
 # (`forward.scaled_scores`), whose operands and accumulator double a tile's registers: the 16-warp tiles that fit the
 # FMA dots alone spilled 4.6-9.8 KB (dK/dV) and 1.8-4.6 KB (dQ) with them. Each family's first spills nothing at
-# d 64 (dK/dV 16 x 32 on 8 warps, dQ 32 x 32 on 8); at d 128 the wide-head rule keeps the same first (328 B and 20 B).
+# d 64 (dK/dV 16 x 32 on 8 warps, dQ 32 x 32 on 8; the row statistics, on dQ's tiles, 16 B); at d 128 the wide-head
+# rule keeps the same first (328 B and 20 B; the row statistics 0 B).
 # `python scripts/flash_ptx_schedule.py --kernel dkdv,dq,row-stats --dtype fp32 --d 128`.
 DKDV_IEEE_FP32_TILES = ((16, 32, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2), (16, 16, 4, 2), (64, 64, 16, 2))
 DQ_IEEE_FP32_TILES = ((32, 32, 8, 2), (64, 16, 8, 2), (32, 16, 4, 2), (64, 32, 8, 2), (64, 64, 16, 2))

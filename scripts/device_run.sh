@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session33, session32, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session34, session33, session32, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -301,6 +301,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
+      ;;
+    session34)
+      # The fifteenth session's H100 call, where no H200 came (~9.5 min): every size at ctx 512 in the three modes at
+      # today's code (the weights' bf16 copies on by default), then small's host time eager and as CUDA graphs, ours
+      # against the baseline (the compiled mode's was profiled in the ninth session).
+      every_size 330 512 off,on,reduce-overhead
+      lscpu | grep -E "Model name|^CPU\(s\)"
+      timeout 230 python3 scripts/step_host_profile.py --preset small --context 512 --compile off,reduce-overhead \
+        --steps 10 --variants ours,baseline --out "$R/host_profile" 2>&1 | grep -vE "USDT|profiler_st" | tail -8
       ;;
     session33)
       # The fifteenth session's H200 call (~9 min): every size at ctx 512 in the three modes (issue 32's table on

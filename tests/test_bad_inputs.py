@@ -49,6 +49,8 @@ COMMAND_LINES = [
     (["attention-tune", "--device", "cpu", "--dtype", "bf16"], "exit",
      "attention-tune: --dtype bf16 on the CPU runs under Triton's interpreter"),
     ([*MODEL, "--warmup", "-1"], "argparse", "--warmup: got -1; must be >= 0"),
+    ([*MODEL, "--warmup-s", "-0.5"], "argparse", "--warmup-s: got '-0.5'; must be a finite number >= 0"),
+    ([*MODEL, "--warmup-s", "inf"], "argparse", "--warmup-s: got 'inf'; must be a finite number >= 0"),
     ([*MODEL, "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
     ([*MODEL, "--dtype", "int8"], "argparse", "--dtype: got 'int8'; allowed: fp32, bf16, fp16"),
     ([*MODEL, "--attention", "magic"], "argparse", "--attention: invalid choice: 'magic'"),

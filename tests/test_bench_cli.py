@@ -43,6 +43,19 @@ def test_model_suite_all_modes_both_providers(tmp_path, capsys):
     assert all(r["median"] > 0 for r in rows if r["metric"] == "tflops")
 
 
+def test_model_suite_warms_up_for_the_seconds_asked_and_records_the_steps_it_took(tmp_path):
+    """--warmup-s keeps warming up past --warmup until the steps after the first ran that long (the GPU default,
+    1 s, is for a GPU idle through a compile); the row's warmup is the number of warm-up steps made. Without it the
+    CPU default is the count alone."""
+    common = ["model", "--preset", "tiny", "--context", "16", "--mode", "forward", "--device", "cpu",
+              "--warmup", "1", "--steps", "1", "--no-progress"]
+    assert main([*common, "--results-dir", str(tmp_path / "count")]) == 0
+    assert main([*common, "--warmup-s", "0.3", "--results-dir", str(tmp_path / "seconds")]) == 0
+    warmups = [[r["warmup"] for r in load_rows(tmp_path / run / "model.jsonl") if r["metric"] == "time"]
+               for run in ("count", "seconds")]
+    assert warmups[0] == [1] and warmups[1][0] > 1
+
+
 def test_model_suite_runs_our_whole_stack_compiled_on_the_cpu(tmp_path, monkeypatch):
     """Issue 32's CPU command: our attention, fused kernels and fused AdamW, compiled, on a machine without a GPU
     (the operators' torch maths, not the interpreter); every row ok, and the compile mode recorded."""

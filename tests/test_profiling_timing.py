@@ -75,3 +75,28 @@ def test_kernel_time_counts_gpu_work_and_leaves_out_host_waits():
         time.sleep(0.005)
         a @ a
     assert kernel_time_ms(slow_host) < 2 * matmul_ms + 0.5
+
+
+def test_warmup_seconds_extend_the_warmup_past_its_count_but_not_the_first_call():
+    """warmup_s keeps warming up until the calls after the first have run that long; the first call (compilation)
+    does not count toward it, and the row's warm-up count says how many calls were made."""
+    calls = []
+    state = {"first": True}
+
+    def step():
+        calls.append(1)
+        time.sleep(0.3 if state.pop("first", False) else 0.01)
+
+    timing = time_fn(step, warmup=2, steps=3, device="cpu", warmup_s=0.1)
+    assert timing.first_call_s >= 0.3
+    # 0.1 s of 10 ms calls after the first (at most ten more, sleep never being shorter than asked), however long
+    # the first took: more than the count asked for.
+    assert 2 < timing.warmup <= 13 and len(calls) == timing.warmup + 3
+    assert time_fn(lambda: None, warmup=2, steps=1, device="cpu", warmup_s=0.0).warmup == 2
+
+
+def test_warmup_seconds_need_a_warmup_call_and_refuse_bad_values():
+    assert time_fn(lambda: None, warmup=0, steps=1, device="cpu", warmup_s=1.0).warmup == 0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="warmup_s"):
+            time_fn(lambda: None, device="cpu", warmup_s=bad)

@@ -92,6 +92,11 @@ def positive_float(name: str):
     return _number(name, lambda value: value > 0 and math.isfinite(value), "a finite number > 0")
 
 
+def non_negative_float(name: str):
+    """argparse type: a finite number >= 0."""
+    return _number(name, lambda value: value >= 0 and math.isfinite(value), "a finite number >= 0")
+
+
 def checkpoint_policy(name: str):
     """argparse type: a checkpointing policy, parsed here once (memory/policy.py), the error naming the option."""
     def parse(text: str) -> CheckpointPolicy:

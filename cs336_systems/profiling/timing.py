@@ -55,15 +55,21 @@ class Timing:
 
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 5, steps: int = 10,
-            device: torch.device | str | None = None, after_warmup: Callable[[], object] | None = None) -> Timing:
+            device: torch.device | str | None = None, after_warmup: Callable[[], object] | None = None,
+            warmup_s: float = 0.0) -> Timing:
     """Time `fn()` `steps` times after `warmup` untimed calls (the first of which is timed apart).
 
+    `warmup_s`: after those calls, keep warming up until the warm-up calls after the first have run this many
+    seconds (the first carries compilation, and a GPU left idle through a compile needs more than a few
+    millisecond-long steps to be back at speed); `Timing.warmup` counts every warm-up call made.
     `after_warmup` runs once between warm-up and the timed calls (e.g. to drop warm-up phase times).
     """
     if warmup < 0:
         raise ValueError(f"time_fn: warmup must be >= 0, got {warmup}")
     if steps < 1:
         raise ValueError(f"time_fn: steps must be >= 1, got {steps}")
+    if not warmup_s >= 0:  # (also refuses NaN)
+        raise ValueError(f"time_fn: warmup_s must be >= 0 seconds, got {warmup_s}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     on_cuda = device.type == "cuda"
     synchronize(device)
@@ -74,6 +80,13 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 5, steps: int = 10,
         if i == 0:
             synchronize(device)
             first_call_s = default_timer() - start
+            after_first = default_timer()
+    if warmup and warmup_s > 0:
+        synchronize(device)
+        while default_timer() - after_first < warmup_s:
+            fn()
+            synchronize(device)
+            warmup += 1
     synchronize(device)
     if after_warmup is not None:
         after_warmup()

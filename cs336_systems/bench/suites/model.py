@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each step: on (default), off, or on,off to time both")
     parser.add_argument("--warmup", type=common.positive_int("--warmup", 0), default=5,
                         help="warm-up steps (default 5)")
+    parser.add_argument("--warmup-s", type=common.non_negative_float("--warmup-s"), default=None,
+                        help="after the --warmup steps, keep warming up until the steps after the first (which "
+                             "compiles) have run this many seconds: a GPU idle through a compile is not back at "
+                             "speed after a few short steps (default 1 on CUDA, 0 on the CPU)")
     parser.add_argument("--steps", type=common.positive_int("--steps"), default=10, help="timed steps (default 10)")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
                              ("num-heads", "heads"), ("vocab-size", "vocabulary")):
@@ -313,7 +317,9 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset)
+    warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if device.type == "cuda" else 0.0)
+    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset,
+                     warmup_s=warmup_s)
     row_config = config | {"mode": mode}
     store.add(provider=provider, config=row_config, metric="time", unit="ms", stats=timing.stats())
     if timing.first_call_s is not None:  # carries compilation when --compile on

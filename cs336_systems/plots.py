@@ -26,9 +26,10 @@ def _pyplot():
     return plt
 
 
-def _saved(plt, fig, path: Path, dpi: int = 120) -> Path:
-    """Lay the figure out, write it to `path` (its folder made) and close it."""
-    fig.tight_layout()
+def _saved(plt, fig, path: Path, dpi: int = 120, rect: tuple | None = None) -> Path:
+    """Lay the figure out (within `rect` of it, where a figure legend takes the rest), write it to `path` (its
+    folder made) and close it."""
+    fig.tight_layout(**({"rect": rect} if rect else {}))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
@@ -110,24 +111,33 @@ def plot_collectives(frame: pd.DataFrame, path: Path) -> Path:
 
 def plot_ratio_by_size(wide: pd.DataFrame, path: Path) -> Path:
     """ours / baseline time (column "ours / baseline") against the preset, one line per "execution" mode, one panel
-    per context."""
+    per context. A mode keeps its colour and marker in every panel (eager, compiled and CUDA graphs their own; a
+    variant of one, "compiled, inductor pointwise", its mode's marker dashed), and one legend lists every line."""
     plt = _pyplot()
     contexts = sorted(set(wide["context"]))
-    fig, axes = plt.subplots(1, len(contexts), figsize=(3.8 * len(contexts), 3.4), squeeze=False, sharey=True)
-    styles = {"eager": "o-", "compiled": "s-", "CUDA graphs": "^-"}
+    fig, axes = plt.subplots(1, len(contexts), figsize=(3.8 * len(contexts), 3.6), squeeze=False, sharey=True)
+    markers = {"eager": "o", "compiled": "s", "CUDA graphs": "^"}
+    executions = sorted(set(wide["execution"]), key=lambda e: (e.split(",")[0] not in markers, e))
+    colours = {execution: f"C{i}" for i, execution in enumerate(executions)}
+    handles = {}
     for ax, context in zip(axes[0], contexts):
         panel = wide[wide["context"] == context]
         for execution, line in panel.groupby("execution", observed=True):
             line = line.sort_values("preset")
-            ax.plot(line["preset"].astype(str), line["ours / baseline"], styles.get(execution, "o-"), ms=4,
-                    label=execution)
+            mode = execution.split(",")[0]
+            (handle,) = ax.plot(line["preset"].astype(str), line["ours / baseline"], marker=markers.get(mode, "o"),
+                                ls="-" if execution == mode else "--", color=colours[execution], ms=4,
+                                label=execution)
+            handles.setdefault(execution, handle)
         ax.axhline(1.0, color="grey", ls="--", lw=1)
         ax.set_title(f"context {int(context)}", fontsize=9)
         ax.set_xlabel("model size")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("ours / baseline (train step time)")
-    axes[0][-1].legend(fontsize=8)
-    return _saved(plt, fig, path, dpi=110)
+    ordered = [e for e in executions if e in handles]
+    fig.legend([handles[e] for e in ordered], ordered, fontsize=8, loc="lower center", ncol=min(len(ordered), 4),
+               frameon=False)
+    return _saved(plt, fig, path, dpi=110, rect=(0, 0.1, 1, 1))
 
 
 def plot_memory_timeline(points: pd.DataFrame, path: Path, title: str) -> Path:

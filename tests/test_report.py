@@ -459,3 +459,33 @@ def test_weight_copies_section_sets_both_sides_beside_the_baseline_of_their_run(
     assert len(lines) == 1 and "fp32 from the product" in lines[0]
     cells = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
     assert cells[-5:] == ["150", "125", "120", "0.96", "0.8"], cells  # with / without 120 / 125, with / baseline
+
+
+def test_ratio_plot_keeps_each_modes_colour_and_marker_across_panels(tmp_path, monkeypatch):
+    """The size plot: a mode has one colour and marker in every context's panel (matplotlib's colour cycle would
+    restart in each panel and give a mode another colour where a panel lacks a line), and one legend lists each
+    mode once."""
+    import matplotlib.figure
+    import pandas as pd
+
+    from cs336_systems.plots import plot_ratio_by_size
+
+    wide = pd.DataFrame({
+        "preset": ["small", "xl", "small", "xl", "small", "xl"],
+        "context": [128, 128, 512, 512, 512, 512],
+        "execution": ["eager", "eager", "compiled", "compiled", "eager", "eager"],
+        "ours / baseline": [1.0, 0.9, 1.1, 1.0, 0.8, 0.7]})
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    plot_ratio_by_size(wide, tmp_path / "ratio.png")
+    (fig,) = saved
+    styles = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if line.get_label().startswith("_"):
+                continue  # the dashed 1.0 line
+            styles.setdefault(line.get_label(), set()).add((line.get_color(), line.get_marker()))
+    assert set(styles) == {"eager", "compiled"} and all(len(s) == 1 for s in styles.values())
+    assert styles["eager"] != styles["compiled"]
+    (legend,) = fig.legends
+    assert sorted(t.get_text() for t in legend.get_texts()) == ["compiled", "eager"]

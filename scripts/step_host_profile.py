@@ -165,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                 with (harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})),
                       VARIANT_SETTINGS.get(name, contextlib.nullcontext)()):
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
-                    _steps_ms(step, 5, device)  # warm-up (and compilation)
+                    # Warm-up (and compilation), then warm-up by time as the model suite's --warmup-s does on CUDA:
+                    # a GPU idle through the compile is not back at speed after a few short steps.
+                    _steps_ms(step, 5, device)
+                    warmed = _steps_ms(step, 1, device)
+                    while device.type == "cuda" and sum(warmed) < 1e3:
+                        warmed += _steps_ms(step, 1, device)
                     times = _steps_ms(step, args.steps, device)
                     profiler = cProfile.Profile()
                     profiler.enable()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session36, session35, session34, session33, session32, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -302,18 +302,10 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
       ;;
-    session36)
-      # The fifteenth session's last call (~5 min): why ours' compiled step at xl/128 (107.5 ms) is so far above its
-      # CUDA-graph step (71.5) where the baseline's is not (80.1 against 73.9): the host profile of both, compiled per
-      # block; then stage session35 (the time-based warm-up at small and medium).
-      timeout 120 python3 scripts/step_host_profile.py --preset xl --context 128 --compile on --steps 10 \
-        --variants ours,baseline --out "$R/host_profile" 2>&1 | grep -vE "USDT|profiler_st|_warn_once|UserWarning" | tail -4
-      run_stage session35
-      ;;
     session35)
       # The fifteenth session's check of the time-based warm-up (--warmup-s, 1 s by default on CUDA): small and
       # medium at ctx 128 and 512, eager and as CUDA graphs, the sweep's own options otherwise (~3 min).
-      timeout 180 python3 -m cs336_systems.bench model --preset small,medium --context 128,512 --dtype bf16 \
+      timeout 240 python3 -m cs336_systems.bench model --preset small,medium --context 128,512 --dtype bf16 \
         --compile off,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
         --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" 2>&1 | tail -12
       ;;
@@ -332,14 +324,6 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # H200's memory) with the tiny --verify first.
       every_size 330 512 off,on,reduce-overhead
       run_stage leaderboard
-      ;;
-    session32)
-      # The fifteenth session's first call (~4 min): where small's step loses host time in each mode (eager,
-      # compiled per block, CUDA graphs per block), ours against the baseline at ctx 512 (cProfile and
-      # torch.profiler's CPU self time; one file per configuration), with the host's CPU named (runs differ by host).
-      lscpu | grep -E "Model name|^CPU\(s\)" ; nvidia-smi --query-gpu=name,clocks.sm --format=csv,noheader
-      timeout 300 python3 scripts/step_host_profile.py --preset small --context 512 --compile off,on,reduce-overhead \
-        --steps 10 --variants ours,baseline --out "$R/host_profile" 2>&1 | grep -vE "USDT|profiler_st" | tail -12
       ;;
     session26)
       # The thirteenth session's second call (~8 min): every size at ctx 512 in the three modes (with session25, one

@@ -39,6 +39,7 @@ import torch
 
 from cs336_systems.bench.suites.model import ModelCase, _Harness
 from cs336_systems.config import ModelConfig, preset_names
+from cs336_systems.profiling.timing import warm_up
 
 # name -> (provider, attention, fused, optimizer): ours, then ours without one piece at a time, then our model
 # with none of them (the staff attention maths), beside the baseline.
@@ -165,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 with (harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})),
                       VARIANT_SETTINGS.get(name, contextlib.nullcontext)()):
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
-                    # Warm-up (and compilation), then warm-up by time as the model suite's --warmup-s does on CUDA:
-                    # a GPU idle through the compile is not back at speed after a few short steps.
-                    _steps_ms(step, 5, device)
-                    warmed = _steps_ms(step, 1, device)
-                    while device.type == "cuda" and sum(warmed) < 1e3:
-                        warmed += _steps_ms(step, 1, device)
+                    # Warm-up (and compilation), then by time on CUDA, as the model suite's --warmup-s default.
+                    warm_up(step, calls=5, device=device, seconds=1.0 if device.type == "cuda" else 0.0)
                     times = _steps_ms(step, args.steps, device)
                     profiler = cProfile.Profile()
                     profiler.enable()

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from cs336_systems.profiling.timing import Timing, bench_kernel, kernel_time_ms, time_fn
+from cs336_systems.profiling.timing import Timing, bench_kernel, kernel_time_ms, time_fn, warm_up
 from tests._support import requires_cuda
 
 
@@ -100,3 +100,14 @@ def test_warmup_seconds_need_a_warmup_call_and_refuse_bad_values():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="warmup_s"):
             time_fn(lambda: None, device="cpu", warmup_s=bad)
+
+
+def test_warm_up_alone_counts_its_calls_and_refuses_bad_values():
+    """`warm_up` (time_fn's warm-up, also used by scripts/step_host_profile.py): the calls asked, more by time."""
+    calls = []
+    made, first = warm_up(lambda: (calls.append(1), time.sleep(0.01)), calls=2, seconds=0.05)
+    assert made == len(calls) > 2 and first >= 0.01
+    assert warm_up(lambda: None, calls=0, seconds=1.0) == (0, None)
+    for kwargs in (dict(calls=-1), dict(calls=1, seconds=-1.0)):
+        with pytest.raises(ValueError, match="warm_up"):
+            warm_up(lambda: None, **kwargs)

@@ -54,14 +54,42 @@ class Timing:
                     min=min(self.samples_s) * scale, max=max(self.samples_s) * scale, n=self.n, warmup=self.warmup)
 
 
+def warm_up(fn: Callable[[], object], *, calls: int, device: torch.device | str | None = None,
+            seconds: float = 0.0) -> tuple[int, float | None]:
+    """Call `fn()` `calls` times, then on until the calls after the first have run `seconds` (the first carries
+    compilation, and a GPU left idle through a compile needs more than a few millisecond-long steps to be back at
+    speed). Returns the number of calls made and the first call's time in seconds (None without calls); the device
+    is synchronised at the end."""
+    if calls < 0:
+        raise ValueError(f"warm_up: calls must be >= 0, got {calls}")
+    if not seconds >= 0:  # (also refuses NaN)
+        raise ValueError(f"warm_up: seconds must be >= 0, got {seconds}")
+    synchronize(device)
+    first_call_s = None
+    for i in range(calls):
+        start = default_timer()
+        fn()
+        if i == 0:
+            synchronize(device)
+            first_call_s = default_timer() - start
+            after_first = default_timer()
+    if calls and seconds > 0:
+        synchronize(device)
+        while default_timer() - after_first < seconds:
+            fn()
+            synchronize(device)
+            calls += 1
+    synchronize(device)
+    return calls, first_call_s
+
+
 def time_fn(fn: Callable[[], object], *, warmup: int = 5, steps: int = 10,
             device: torch.device | str | None = None, after_warmup: Callable[[], object] | None = None,
             warmup_s: float = 0.0) -> Timing:
     """Time `fn()` `steps` times after `warmup` untimed calls (the first of which is timed apart).
 
-    `warmup_s`: after those calls, keep warming up until the warm-up calls after the first have run this many
-    seconds (the first carries compilation, and a GPU left idle through a compile needs more than a few
-    millisecond-long steps to be back at speed); `Timing.warmup` counts every warm-up call made.
+    `warmup_s`: after those calls, keep warming up until the calls after the first have run this many seconds
+    (`warm_up`); `Timing.warmup` counts every warm-up call made.
     `after_warmup` runs once between warm-up and the timed calls (e.g. to drop warm-up phase times).
     """
     if warmup < 0:
@@ -72,22 +100,7 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 5, steps: int = 10,
         raise ValueError(f"time_fn: warmup_s must be >= 0 seconds, got {warmup_s}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     on_cuda = device.type == "cuda"
-    synchronize(device)
-    first_call_s = None
-    for i in range(warmup):
-        start = default_timer()
-        fn()
-        if i == 0:
-            synchronize(device)
-            first_call_s = default_timer() - start
-            after_first = default_timer()
-    if warmup and warmup_s > 0:
-        synchronize(device)
-        while default_timer() - after_first < warmup_s:
-            fn()
-            synchronize(device)
-            warmup += 1
-    synchronize(device)
+    warmup, first_call_s = warm_up(fn, calls=warmup, device=device, seconds=warmup_s)
     if after_warmup is not None:
         after_warmup()
     samples, host = [], []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -301,6 +301,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
+      ;;
+    session36)
+      # The sixteenth session's attention call (~6 min): every tile config of the d 64 kernels at the train sweep's
+      # shapes where ours is furthest behind cuDNN (4x32x4096x64: fwd+bwd 0.91, tuned before at 16384 only), with
+      # SDPA's backends timed in the same run, then the attention targets once at this commit.
+      timeout 330 python3 -m cs336_systems.bench attention-tune --shape 4x32x4096x64,4x32x16384x64 \
+        --kernel forward-gluon,forward-gluon-late,forward-gluon-ws,dkdv-gluon,dkdv-gluon-kv,dq-gluon,fused-gluon-s1 \
+        --no-progress --results-dir "$R" 2>&1 | tail -70
+      TARGET_RUNS=1 run_stage attention-targets
       ;;
     session35)
       # The fifteenth session's check of the time-based warm-up (--warmup-s, 1 s by default on CUDA): small and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -302,11 +302,27 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
       ;;
+    session37)
+      # The sixteenth session's second attention call (~8 min): the warp-specialised one-pass backward at d 64 (the
+      # consumers taking turns at dQ): its GPU tests, its tiles beside the two passes and the forward kernels at the
+      # d 64 shapes (4 compile workers: 12 ran the GPU out of memory at 4x32x16384x64), then ours with each backward
+      # against cuDNN on the train sweep and the single-head d 64 cases, in one run.
+      gpu_tests session37 200 tests/test_kernels_flash_attention.py -k "warp_specialised or gluon_one_pass"
+      timeout 240 python3 -m cs336_systems.bench attention-tune --compile-workers 4 \
+        --shape 4x32x4096x64,4x32x16384x64,1x1x16384x64,1x1x65536x64 \
+        --kernel forward-gluon-late,forward-gluon-ws,dkdv-gluon-kv,dq-gluon,fused-gluon-ws \
+        --no-progress --results-dir "$R" 2>&1 | grep -v Warning | tail -48
+      python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-fused-bwd,sdpa-cudnn \
+        --rep-ms 1000 --no-progress --results-dir "$R" 2>&1 | tail -16
+      python3 -m cs336_systems.bench attention --sweep flash --d 64 --dtype bf16 --seq 8192,16384,32768,65536 \
+        --provider triton,triton-fused-bwd,sdpa-cudnn --rep-ms 200 --kernel-time --no-progress \
+        --results-dir "$R" 2>&1 | tail -14
+      ;;
     session36)
       # The sixteenth session's attention call (~6 min): every tile config of the d 64 kernels at the train sweep's
       # shapes where ours is furthest behind cuDNN (4x32x4096x64: fwd+bwd 0.91, tuned before at 16384 only), with
       # SDPA's backends timed in the same run, then the attention targets once at this commit.
-      timeout 330 python3 -m cs336_systems.bench attention-tune --shape 4x32x4096x64,4x32x16384x64 \
+      timeout 330 python3 -m cs336_systems.bench attention-tune --compile-workers 4 --shape 4x32x4096x64,4x32x16384x64 \
         --kernel forward-gluon,forward-gluon-late,forward-gluon-ws,dkdv-gluon,dkdv-gluon-kv,dq-gluon,fused-gluon-s1 \
         --no-progress --results-dir "$R" 2>&1 | tail -70
       TARGET_RUNS=1 run_stage attention-targets

@@ -92,7 +92,7 @@ def kernels(dtype: str) -> dict:
         "fused-gluon-ws": (hopper_one_pass.flash_bwd_one_pass_ws_kernel,
                            {n: t for n in ("Q", "K", "V", "dO", "dK", "dV")}
                            | {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
-                           {"DQ_BUFFERS": 1, "CONSUMER_REGS": 240}, hopper_one_pass.CONFIG),
+                           {"DQ_BUFFERS": 1, "CONSUMER_REGS": 240}, hopper_one_pass.CONFIG[128]),
         "forward-gluon": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                           | {"L": "*fp32"}, {"RESCALE_EARLY": True}, hopper_forward.FORWARD_CONFIG[128]),
         "forward-gluon-ws": (hopper_forward.flash_forward_ws_kernel, {n: t for n in ("Q", "K", "V", "O")}
@@ -234,6 +234,8 @@ def main() -> None:
                                           options=dict(num_warps=warps, num_stages=1 if gluon else stages))
             except Exception as error:  # e.g. out of shared memory
                 print(f"{name:10} {bm}x{bn} w{warps} s{stages}: does not compile ({type(error).__name__})")
+                if os.environ.get("PTX_SCHEDULE_TRACEBACK"):
+                    raise
                 continue
             ptx = compiled.asm["ptx"]
             if args.ptx_dir is not None:

@@ -53,7 +53,7 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
 # column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
-# split, kernels/flash_attention/hopper_one_pass.py, head dim 128).
+# split, kernels/flash_attention/hopper_one_pass.py, head dim 64 or 128).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
                       "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
@@ -85,8 +85,8 @@ GLUON_SPACE = {
     "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
-    # 128 keys (two consumer warpgroups of 64) x 64 queries; 3 stages do not fit in shared memory (225 KiB)
-    "fused-gluon-ws": [(64, 128, 4, 2)],
+    # 128 keys (two consumer warpgroups of 64) x 64 queries; 3 stages fit at d 64 only (225 KiB at d 128)
+    "fused-gluon-ws": [(64, 128, 4, 2), (64, 128, 4, 3)],
     "dkdv-gluon": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2), (64, 128, 8, 3),
                    (32, 128, 8, 3)],
     "dkdv-gluon-k": [(64, 64, 4, 2), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
@@ -188,7 +188,7 @@ def _launches(inputs, causal: bool) -> dict:
                      "fused-gluon": gluon_fused, "fused-gluon-s1": variant(gluon_fused, DQ_SPLIT=1),
                      "fused-gluon-s2": variant(gluon_fused, DQ_SPLIT=2),
                      "fused-gluon-atomic": variant(gluon_fused, DQ_TMA=0)}
-        if getattr(ws_fused, "kernel", None) is flash_bwd_one_pass_ws_kernel:  # (head dim 128)
+        if getattr(ws_fused, "kernel", None) is flash_bwd_one_pass_ws_kernel:  # (head dim 64 or 128)
             launches["fused-gluon-ws"] = ws_fused
     return launches
 

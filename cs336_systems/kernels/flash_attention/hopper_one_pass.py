@@ -10,16 +10,20 @@ program owns 128 keys, and it is split into three partitions:
                                into a ring of STAGES slots, each signalled by one mbarrier
     consumer h = 0, 1          keys n0 + 64 h .. + 63: S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q;
     (a warpgroup each,         dS^T into its half of a shared (128 keys, 64 queries) buffer; once both halves
-     240 registers)            are in (an mbarrier of count 2), dQ's columns 64 h .. + 63: dS K[:, cols],
-                               staged in shared memory and added into fp32 rows by TMA reduce-add
+     240 registers)            are in (an mbarrier of count 2), 64 of dQ's columns over all 128 keys:
+                               dS K[:, cols], staged in shared memory and added into fp32 rows by TMA
+                               reduce-add. At d 128 consumer h takes columns 64 h .. + 63 every step; at
+                               d 64 (one block of 64 columns) the consumers take turns, h on steps of
+                               parity h, so each waits for the whole dS only on its own steps
 
 The consumers share no CTA barrier, so they drift apart: one forms P and dS while the other's products run.
 Register reallocation (`setmaxnreg`) gives the consumers what the producer does not need.
 
-Scope: Hopper, fp16/bf16, head dim 128 (the dQ columns are split between the consumers at a 64-column
-boundary, the 128-byte swizzle's width), `hopper_backward.eligible` inputs with TMA strides, more than one
-query row (`hopper_backward.one_pass_eligible`), any lengths. It is `backward="fused"` at head dim 128
-(`dispatch.backward_launches`), and attention-tune's kernel `fused-gluon-ws`.
+Scope: Hopper, fp16/bf16, head dim 64 or 128 (dQ's products are 64 columns wide, the 128-byte swizzle's
+width), `hopper_backward.eligible` inputs with TMA strides, more than one query row
+(`hopper_backward.one_pass_eligible`), any lengths. It is `backward="fused"` at those head dims
+(`dispatch.backward_launches`), the default backward where `hopper_backward.ONE_PASS_HEAD_DIMS` says, and
+attention-tune's kernel `fused-gluon-ws`.
 """
 
 from __future__ import annotations
@@ -39,10 +43,12 @@ from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention import gluon_common
 from cs336_systems.kernels.flash_attention.launches import GluonPass
 
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 KEYS_PER_CONSUMER = gl.constexpr(64)
+DQ_COLUMNS = gl.constexpr(64)  # the width of one dQ product: half of d 128, all of d 64
 # (BLOCK_M query rows per step, BLOCK_N keys per program = 2 consumers x 64, warps of the first consumer, STAGES)
-CONFIG = (64, 128, 4, 2)
+# per head dim
+CONFIG = {64: (64, 128, 4, 2), 128: (64, 128, 4, 2)}
 
 
 @gluon.jit
@@ -71,6 +77,25 @@ def _producer(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, 
 
 
 @gluon.jit
+def _add_dq_share(dk, dv, ds_tile, k_columns, stage, dq_desc, ds_full, phase, slot_empty, row, column, sm_scale,
+                  share_layout: gl.constexpr):
+    """Once both halves of dS are in `ds_tile` (`ds_full` at `phase`): dQ[row:, column:] += sm_scale * dS (queries
+    x 128 keys) K[:, columns], staged in `stage` and added by TMA reduce-add. Waits for this step's dK and dV
+    products too, and releases the query slot. (dk, dv)"""
+    BLOCK_M: gl.constexpr = ds_tile.shape[1]
+    mbarrier.wait(ds_full, phase)
+    share = warpgroup_mma(ds_tile.permute((1, 0)), k_columns,
+                          gl.zeros([BLOCK_M, DQ_COLUMNS], gl.float32, share_layout), use_acc=False, is_async=True)
+    share, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(share, dk, dv))
+    mbarrier.arrive(slot_empty)  # every product that read this slot has retired
+    stage.store(share * sm_scale)
+    fence_async_shared()
+    gl.thread_barrier()
+    gluon_common.tma_reduce_add(dq_desc, [row, column], stage)
+    return dk, dv
+
+
+@gluon.jit
 def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem,
                  dq_stage, dq_desc, ready, empty, ds_ready, offs_n, start_tile, end_tile, first_tile, qk_scale,
                  sm_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
@@ -79,7 +104,7 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
     """Add query tiles [start_tile, end_tile) to this consumer's dK and dV, and their dQ columns to the fp32 rows."""
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
-    COLUMNS: gl.constexpr = HEAD_DIM // 2
+    TAKE_TURNS: gl.constexpr = HEAD_DIM == DQ_COLUMNS  # d 64: one dQ product a step, by the consumers in turn
     dtype: gl.constexpr = q_smem.dtype
     for tile in range(start_tile, end_tile):
         step, slot, q_tile, do_tile = gluon_common.ring_step(ready, q_smem, do_smem, tile, first_tile, STAGES)
@@ -93,9 +118,11 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
         dsT = gluon_common.zero_first_row_t(pT * (dpT - delta[None, :]), tile, MASKED, IS_CAUSAL, BLOCK_M,
                                             s_layout).to(dtype)
-        # This consumer's half of dS^T into the shared buffer of this step's parity. The other consumer read the
-        # buffer two steps ago and has retired those products before it signalled last step's buffer, which this
-        # consumer waited for; this consumer's own reduction from DQ_BUFFERS steps ago must have read its stage.
+        # This consumer's half of dS^T into the shared buffer of this step's parity. The buffer's readers two steps
+        # ago (both consumers at d 128; at d 128 and 64 the one whose turn it was) retired those products before
+        # they signalled last step's buffer, which the consumer reading last step waited for: at d 128 this one;
+        # at d 64 this one unless it read two steps ago itself. This consumer's own reduction from DQ_BUFFERS
+        # (at d 64: 2 x DQ_BUFFERS) steps ago must have read its stage.
         tma.store_wait(pendings=DQ_BUFFERS - 1)
         ds_tile = ds_smem.index(step % 2)
         ds_tile.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0).store(dsT)
@@ -103,17 +130,22 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         gl.thread_barrier()  # (this partition's warps) every row is stored, and every stage is free
         mbarrier.arrive(ds_ready.index(step % 2))
         dk = warpgroup_mma(gl.convert_layout(dsT, op_layout), q_tile, dk, is_async=True)
-        # dQ's columns COLUMNS * half onwards over all 128 keys: dS (64 queries x 128 keys) K[:, columns].
-        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
-        share = warpgroup_mma(ds_tile.permute((1, 0)), k_smem.slice(half * COLUMNS, COLUMNS, dim=1),
-                              gl.zeros([BLOCK_M, COLUMNS], gl.float32, share_layout), use_acc=False, is_async=True)
-        share, dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(share, dk, dv))
-        mbarrier.arrive(empty.index(slot))  # every product that read this slot has retired
-        stage = dq_stage.index(half * DQ_BUFFERS + step % DQ_BUFFERS)
-        stage.store(share * sm_scale)
-        fence_async_shared()
-        gl.thread_barrier()
-        gluon_common.tma_reduce_add(dq_desc, [tile * BLOCK_M, half * COLUMNS], stage)
+        if TAKE_TURNS:
+            # (new names: dk and dv are products in flight here, tensors once waited for in either branch)
+            if step % 2 == half:  # each consumer waits only on the buffer of its own parity, every phase of it
+                dk_done, dv_done = _add_dq_share(dk, dv, ds_tile, k_smem, dq_stage.index(half * DQ_BUFFERS
+                                                                               + (step // 2) % DQ_BUFFERS),
+                                       dq_desc, ds_ready.index(step % 2), (step // 2) & 1, empty.index(slot),
+                                       tile * BLOCK_M, 0, sm_scale, share_layout)
+            else:
+                dk_done, dv_done = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+                mbarrier.arrive(empty.index(slot))  # every product that read this slot has retired
+            dk, dv = dk_done, dv_done
+        else:  # d 128: this consumer's columns, every step
+            dk, dv = _add_dq_share(dk, dv, ds_tile, k_smem.slice(half * DQ_COLUMNS, DQ_COLUMNS, dim=1),
+                                   dq_stage.index(half * DQ_BUFFERS + step % DQ_BUFFERS), dq_desc,
+                                   ds_ready.index(step % 2), (step // 2) & 1, empty.index(slot), tile * BLOCK_M,
+                                   half * DQ_COLUMNS, sm_scale, share_layout)
     return dk, dv
 
 
@@ -126,7 +158,7 @@ def _consumer(half: gl.constexpr, dk_desc, dv_desc, k_smem, v_smem, q_smem, do_s
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_M)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
-    share_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM // 2)
+    share_layout: gl.constexpr = gluon_common.wgmma_layout(4, DQ_COLUMNS)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     keys0 = n0 + half * KEYS_PER_CONSUMER
     k_half = k_smem.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0)
@@ -176,7 +208,7 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_
     reduction overlap the next step, but does not fit in shared memory beside 2 stages at d 128). CONSUMER_REGS:
     registers of the second consumer after reallocation (the producer keeps 24; the first consumer gets 256)."""
     gl.static_assert(BLOCK_N == 2 * KEYS_PER_CONSUMER, "two consumer warpgroups of 64 keys")
-    gl.static_assert(HEAD_DIM == 128, "dQ's columns split at the 128-byte swizzle")
+    gl.static_assert((HEAD_DIM == 64) | (HEAD_DIM == 128), "dQ's products 64 columns wide: the 128-byte swizzle")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
     q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
@@ -186,13 +218,13 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_
     dq_row = DQ_ACCUM + batch_head.to(gl.int64) * dq_rows * HEAD_DIM
     dq_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
     dq_desc = tma.make_tensor_descriptor(dq_row, shape=[dq_rows, HEAD_DIM], strides=[HEAD_DIM, 1],
-                                         block_shape=[BLOCK_M, HEAD_DIM // 2], layout=dq_layout)
+                                         block_shape=[BLOCK_M, DQ_COLUMNS], layout=dq_layout)
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
                                                                                           v_desc, STAGES)
     ds_layout: gl.constexpr = gluon_common.tile_layout(dtype.primitive_bitwidth)
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, HEAD_DIM // 2], dq_layout)
+    dq_stage = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, BLOCK_M, DQ_COLUMNS], dq_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -224,7 +256,7 @@ def flash_bwd_one_pass_ws_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_
 
 
 def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, sm_scale: float) -> GluonPass:
-    """`hopper_backward.fused_pass`'s contract on `flash_bwd_one_pass_ws_kernel` (head dim 128 only)."""
+    """`hopper_backward.fused_pass`'s contract on `flash_bwd_one_pass_ws_kernel` (head dim 64 or 128)."""
     batch, heads, n_queries, head_dim = q4.shape
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head dim: got {head_dim}; the warp-specialised one-pass backward takes {HEAD_DIMS}")
@@ -234,5 +266,5 @@ def one_pass(q4, k4, v4, do4, lse, delta, dq_accum, dk4, dv4, is_causal: bool, s
     return GluonPass(flash_bwd_one_pass_ws_kernel,
                      (q4, k4, v4, do4, lse, delta, dk4, dv4, dq_accum, input_strides,
                       gluon_common.key_grad_strides(dk4, dv4), *sizes, dq_rows),
-                     dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG,
+                     dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim), CONFIG[head_dim],
                      lambda block_m, block_n: (cdiv(n_keys, block_n), batch * heads))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -301,6 +301,22 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
+      ;;
+    session38)
+      # The sixteenth session's third call (~7 min): the d 64 defaults chosen from session37 (one pass where its
+      # programs fill the GPU; the forward by length) -- their GPU tests, the train sweep and the single-head target
+      # cases against cuDNN (the default `triton` beside the two deterministic passes), then the model's own d 64
+      # shapes (batch 4, 12 heads, ctx 512 and 2048) with kernel time.
+      gpu_tests session38 130 tests/test_kernels_flash_attention.py \
+        -k "choice or default_kernels or gluon_backward_matches or gluon_forward_matches or warp_specialised_one_pass"
+      python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
+        --rep-ms 1000 --no-progress --results-dir "$R" 2>&1 | tail -16
+      python3 -m cs336_systems.bench attention --sweep flash --d 64,128 --dtype bf16 --seq 8192,16384,32768,65536 \
+        --provider triton,triton-two-pass-bwd,sdpa-cudnn --rep-ms 200 --kernel-time --no-progress \
+        --results-dir "$R" 2>&1 | tail -28
+      python3 -m cs336_systems.bench attention --batch 4 --heads 12 --seq 512,2048 --d 64 --dtype bf16 \
+        --provider triton,triton-two-pass-bwd,sdpa-cudnn --rep-ms 100 --kernel-time --no-progress \
+        --results-dir "$R" 2>&1 | tail -8
       ;;
     session37)
       # The sixteenth session's second attention call (~8 min): the warp-specialised one-pass backward at d 64 (the

@@ -644,12 +644,42 @@ def test_backward_choice_names_the_kernels_on_cpu():
     assert choose_backward(*(t.half() for t in (q, k, v, do)), BackwardOptions()).kernels == ("dkdv", "dq")
 
 
+def test_default_kernels_by_head_dim_length_and_programs():
+    """The defaults as measured (hopper_backward.ONE_PASS_*, hopper_forward.WS_LONG_* / SHORT_*), on a GPU of 132
+    SMs: at d 128 one pass and the warp-specialised forward everywhere; at d 64 one pass where its programs of 128
+    keys fill the GPU, the warp-specialised forward where rows are long and its programs fill it, 64 x 64 tiles
+    for short rows; other head dims neither."""
+    from cs336_systems.kernels.flash_attention.hopper_backward import one_pass_by_default
+    from cs336_systems.kernels.flash_attention.hopper_forward import (
+        FORWARD_CONFIG,
+        SHORT_FORWARD_CONFIG,
+        WS_FORWARD_CONFIG,
+        WS_LONG_CONFIG,
+        default_forward,
+    )
+
+    sms = 132
+    for batch, heads, seq in ((4, 32, 16384), (4, 32, 4096), (1, 1, 32768), (1, 1, 65536)):
+        assert one_pass_by_default(batch, heads, seq, 64, sms), (batch, heads, seq)
+    for seq in (8192, 16384):  # 64 and 128 programs
+        assert not one_pass_by_default(1, 1, seq, 64, sms), seq
+        assert one_pass_by_default(1, 1, seq, 128, sms), seq
+    assert not one_pass_by_default(4, 32, 16384, 80, sms) and not one_pass_by_default(4, 32, 16384, 256, sms)
+
+    assert default_forward(4, 32, 16384, 16384, 64, sms) == (True, WS_LONG_CONFIG[64])
+    assert default_forward(1, 1, 65536, 65536, 64, sms) == (True, WS_LONG_CONFIG[64])  # 512 programs
+    assert default_forward(1, 1, 16384, 16384, 64, sms) == (False, FORWARD_CONFIG[64])  # 128 programs
+    assert default_forward(4, 32, 4096, 4096, 64, sms) == (False, SHORT_FORWARD_CONFIG[64])
+    assert default_forward(1, 1, 512, 512, 128, sms) == (True, WS_FORWARD_CONFIG)
+
+
 @requires_hopper
 @pytest.mark.parametrize("d", [64, 128])
 def test_backward_choice_on_hopper(d):
     """The defaults the constants of hopper_backward.py / hopper_one_pass.py name, and what each option forces."""
     from cs336_systems.kernels.flash_attention.dispatch import BACKWARD_OPTIONS, BackwardOptions, choose_backward
-    from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS
+    from cs336_systems.kernels.flash_attention.hopper_backward import one_pass_by_default
+    from cs336_systems.kernels.flash_attention.launches import sm_count
 
     q, k, v, do = _head_views(4, 1, 256, 2, d, seed=0)
 
@@ -657,7 +687,11 @@ def test_backward_choice_on_hopper(d):
         return choose_backward(q, k, v, do, options).kernels
 
     two_gluon_passes = ("dkdv-gluon", "dq-gluon")
-    assert kernels(BACKWARD_OPTIONS["triton"]) == (("fused-gluon-ws",) if d in ONE_PASS_HEAD_DIMS else two_gluon_passes)
+    one_pass = one_pass_by_default(1, 2, 256, d, sm_count(q.device))
+    assert one_pass == (d == 128)  # at d 64 these 2 programs leave the GPU idle
+    assert kernels(BACKWARD_OPTIONS["triton"]) == (("fused-gluon-ws",) if one_pass else two_gluon_passes)
+    wide = _head_views(4, 2, 4096, 16, d, seed=0)  # 2 x 16 x 32 programs of 128 keys: one pass at both
+    assert choose_backward(*wide, BACKWARD_OPTIONS["triton"]).kernels == ("fused-gluon-ws",)
     assert kernels(BACKWARD_OPTIONS["two-pass"]) == two_gluon_passes
     assert kernels(BACKWARD_OPTIONS["tl"]) == ("dkdv", "dq")
     assert kernels(BackwardOptions(fused=True, warp_specialised=False)) == ("fused-gluon",)
@@ -711,8 +745,8 @@ def test_gluon_passes_only_where_eligible():
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_backward_matches_reference(shape, causal, dtype):
     from cs336_systems.kernels.flash_attention import dispatch, function, hopper_one_pass
-    from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, ONE_PASS_HEAD_DIMS
-    from cs336_systems.kernels.flash_attention.launches import GluonPass
+    from cs336_systems.kernels.flash_attention.hopper_backward import GLUON_PASSES, one_pass_by_default
+    from cs336_systems.kernels.flash_attention.launches import GluonPass, sm_count
 
     class GluonBoth(function.FlashAttentionTriton):  # both passes in Gluon, whatever the default
         @staticmethod
@@ -726,7 +760,8 @@ def test_gluon_backward_matches_reference(shape, causal, dtype):
     out, lse = dispatch.flash_forward(*probe, causal)
     for gluon in (None, True):
         _, dkdv, dq, _ = dispatch.backward_launches(*probe, out, lse, torch.empty_like(out), causal, gluon=gluon)
-        if gluon is None and d in ONE_PASS_HEAD_DIMS:  # the default is the warp-specialised one-pass kernel there
+        if gluon is None and n > 1 and one_pass_by_default(b, h or 1, m, d, sm_count(probe[0].device)):
+            # the default is the warp-specialised one-pass kernel there
             assert dkdv.kernel is hopper_one_pass.flash_bwd_one_pass_ws_kernel and dq is None
             continue
         for name, launch in (("dkdv", dkdv), ("dq", dq)):  # the default path takes the shipped ones

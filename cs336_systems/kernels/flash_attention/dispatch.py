@@ -50,6 +50,7 @@ from cs336_systems.kernels.flash_attention.launches import (
     LaunchSequence,
     has_tma,
     install_descriptor_allocator,
+    sm_count,
     tma_eligible,
 )
 from cs336_systems.kernels.flash_attention.precision import (
@@ -234,7 +235,9 @@ def choose_backward(q, k, v, grad_out, options: BackwardOptions) -> BackwardChoi
                          and tma_eligible(q4, k4, v4, do4, dk4, dv4))
     fused = options.fused
     if fused is None:  # one pass where measured faster than the two Gluon passes (hopper_backward.py)
-        fused = (options.gluon is None and head_dim in hopper_backward.ONE_PASS_HEAD_DIMS and gluon_one_pass_ok)
+        batch, heads, _, _ = q4.shape
+        fused = (options.gluon is None and gluon_one_pass_ok
+                 and hopper_backward.one_pass_by_default(batch, heads, k4.shape[2], head_dim, sm_count(q4.device)))
     tma = "-tma" if options.use_tma and tma_eligible(q4, k4, v4, do4) else ""
     if fused and gluon_one_pass_ok:
         warp_specialised = options.warp_specialised is not False and head_dim in hopper_one_pass.HEAD_DIMS

@@ -114,8 +114,8 @@ def _attention_backward(q, k, v, out, lse, grad_out, is_causal: bool, backward: 
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2: Triton forward and backward (`dispatch.choose_backward`'s default: two passes, or one pass at
-    `hopper_backward.ONE_PASS_HEAD_DIMS`).
+    """FlashAttention-2: Triton forward and backward (`dispatch.choose_backward`'s default: two passes, or one
+    pass where `hopper_backward.one_pass_by_default` says).
 
     `apply(q, k, v, is_causal=False, backward="triton")`, backward one of `BACKWARD_IMPLS` (see
     `flash_attention`); saves (L, Q, K, V, O) with L of shape q.shape[:-1].
@@ -146,7 +146,7 @@ LAUNCHERS = ("python", "native")
 def flash_attention(q, k, v, is_causal: bool = False, *, backward: str = "triton",
                     launcher: str | None = None, fp32_precision: str | None = None) -> torch.Tensor:
     """Our Triton FlashAttention-2. backward: "triton" (the fastest measured: two deterministic passes, in Gluon
-    on Hopper where the inputs qualify, but one pass at `hopper_backward.ONE_PASS_HEAD_DIMS`), "two-pass"
+    on Hopper where the inputs qualify, but one pass where `hopper_backward.one_pass_by_default` says), "two-pass"
     (always the two passes: bit-reproducible), "tl" (the two passes in `tl` everywhere), "fused" (one pass, dQ
     reduced across key tiles in fp32) or "compile" (torch.compile'd PyTorch, the handout's first step).
     launcher: "python" (this module's autograd Function; repeat calls replay `launch_plan` plans), "native"

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention import gluon_common
-from cs336_systems.kernels.flash_attention.launches import GluonPass
+from cs336_systems.kernels.flash_attention.launches import GluonPass, sm_count
 
 MASK_VALUE_LOG2: gl.constexpr = gl.constexpr(-1e6 * gluon_common.LOG2E.value)  # forward.py's -1e6, log2 units
 
@@ -57,6 +57,15 @@ GLUON_HEAD_DIMS: tuple[int, ...] = (64, 128)
 # the in-warpgroup kernel (e8ccc0eab717), and 10.10 against 10.01 ms at 4x32x16384x64.
 WARP_SPECIALISED_HEAD_DIMS: tuple[int, ...] = (128,)
 WS_FORWARD_CONFIG = (128, 128, 4, 3)
+# At d 64, by length (attention-tune at 9b214716a97a, H100, `device_run.sh session37`, bf16 causal, ms): the
+# warp-specialised kernel on 128 x 128 tiles, 2 stages, is ahead where the rows are long and its programs fill the
+# GPU (9.86 against 10.45 for the best in-warpgroup tile at 4x32x16384x64; 1.214 against 1.250 at 1x1x65536x64),
+# behind where they are short (0.811 against 0.724 at 4x32x4096x64) or few (1x1x16384x64: 128 programs, 0.150
+# against 0.138). Keys of at most SHORT_KEYS take 64 x 64 tiles (0.724 against 0.754 for FORWARD_CONFIG's).
+WS_LONG_KEYS = {64: 16384}
+WS_LONG_CONFIG = {64: (128, 128, 4, 2)}
+SHORT_KEYS = 4096
+SHORT_FORWARD_CONFIG = {64: (64, 64, 4, 2)}
 
 
 @gluon.jit
@@ -250,23 +259,40 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     tma.store_wait(pendings=0)
 
 
+def default_forward(batch: int, heads: int, n_queries: int, n_keys: int, head_dim: int, sms: int):
+    """(warp-specialised, config) of the default Gluon forward of such inputs on a GPU of `sms` SMs: the
+    warp-specialised kernel at WARP_SPECIALISED_HEAD_DIMS, and at d 64 where the rows are long and its programs
+    fill the GPU (the measurements above); else the in-warpgroup kernel, on 64 x 64 tiles at d 64 for short rows."""
+    if head_dim in WARP_SPECIALISED_HEAD_DIMS:
+        return True, WS_FORWARD_CONFIG
+    if (head_dim in WS_LONG_KEYS and n_keys >= WS_LONG_KEYS[head_dim]
+            and batch * heads * cdiv(n_queries, WS_LONG_CONFIG[head_dim][0]) >= sms):
+        return True, WS_LONG_CONFIG[head_dim]
+    if head_dim in SHORT_FORWARD_CONFIG and n_keys <= SHORT_KEYS:
+        return False, SHORT_FORWARD_CONFIG[head_dim]
+    return False, FORWARD_CONFIG[head_dim]
+
+
 def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
                  is_causal: bool, sm_scale: float, warp_specialised: bool | None = None) -> GluonPass:
     """The forward over (batch, heads, seq, d) tensors that are `hopper_backward.eligible` and TMA-eligible;
     O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs.
-    warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: the former
-    at WARP_SPECIALISED_HEAD_DIMS."""
+    warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: as
+    `default_forward` chooses (and its tiles)."""
     batch, heads, n_queries, head_dim = q4.shape
+    default_ws, default_config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim,
+                                                 sm_count(q4.device))
     if warp_specialised is None:
-        warp_specialised = head_dim in WARP_SPECIALISED_HEAD_DIMS
+        warp_specialised = default_ws
     strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
-        return GluonPass(flash_forward_ws_kernel, args, flags, WS_FORWARD_CONFIG, grid)
+        return GluonPass(flash_forward_ws_kernel, args, flags, default_config if default_ws else WS_FORWARD_CONFIG,
+                         grid)
     return GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),
-                     FORWARD_CONFIG[head_dim], grid)
+                     FORWARD_CONFIG[head_dim] if default_ws else default_config, grid)
 
 
 # ---- The same forward, warp-specialised (FA3's producer / consumer split; default at WARP_SPECIALISED_HEAD_DIMS) ----

@@ -14,6 +14,7 @@ Device facts: `has_tma` (Hopper's copy engine), `tma_eligible` (strides a tensor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -114,6 +115,12 @@ class GluonPass:
         grid = self.grid(block_m, block_n)
         compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
         return compiled, grid, bound_values(self.kernel, self.args, params)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors: a grid with fewer programs leaves some idle."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def has_tma(device: torch.device) -> bool:

@@ -646,9 +646,9 @@ def test_backward_choice_names_the_kernels_on_cpu():
 
 def test_default_kernels_by_head_dim_length_and_programs():
     """The defaults as measured (hopper_backward.ONE_PASS_*, hopper_forward.WS_LONG_* / SHORT_*), on a GPU of 132
-    SMs: at d 128 one pass and the warp-specialised forward everywhere; at d 64 one pass where its programs of 128
-    keys fill the GPU, the warp-specialised forward where rows are long and its programs fill it, 64 x 64 tiles
-    for short rows; other head dims neither."""
+    SMs: one pass at d 64 and 128 where its programs of 128 keys fill the GPU and there are at least
+    ONE_PASS_MIN_KEYS keys; the warp-specialised forward at d 128 everywhere, at d 64 where rows are long and its
+    programs fill the GPU, 64 x 64 tiles for short rows; other head dims neither."""
     from cs336_systems.kernels.flash_attention.hopper_backward import one_pass_by_default
     from cs336_systems.kernels.flash_attention.hopper_forward import (
         FORWARD_CONFIG,
@@ -659,11 +659,11 @@ def test_default_kernels_by_head_dim_length_and_programs():
     )
 
     sms = 132
-    for batch, heads, seq in ((4, 32, 16384), (4, 32, 4096), (1, 1, 32768), (1, 1, 65536)):
-        assert one_pass_by_default(batch, heads, seq, 64, sms), (batch, heads, seq)
-    for seq in (8192, 16384):  # 64 and 128 programs
-        assert not one_pass_by_default(1, 1, seq, 64, sms), seq
-        assert one_pass_by_default(1, 1, seq, 128, sms), seq
+    for d in (64, 128):
+        for batch, heads, seq in ((4, 32, 16384), (4, 32, 4096), (1, 1, 32768), (1, 1, 65536)):
+            assert one_pass_by_default(batch, heads, seq, d, sms), (batch, heads, seq, d)
+        for batch, heads, seq in ((1, 1, 8192), (1, 1, 16384), (4, 12, 2048), (4, 12, 512)):  # few programs, keys
+            assert not one_pass_by_default(batch, heads, seq, d, sms), (batch, heads, seq, d)
     assert not one_pass_by_default(4, 32, 16384, 80, sms) and not one_pass_by_default(4, 32, 16384, 256, sms)
 
     assert default_forward(4, 32, 16384, 16384, 64, sms) == (True, WS_LONG_CONFIG[64])
@@ -687,9 +687,8 @@ def test_backward_choice_on_hopper(d):
         return choose_backward(q, k, v, do, options).kernels
 
     two_gluon_passes = ("dkdv-gluon", "dq-gluon")
-    one_pass = one_pass_by_default(1, 2, 256, d, sm_count(q.device))
-    assert one_pass == (d == 128)  # at d 64 these 2 programs leave the GPU idle
-    assert kernels(BACKWARD_OPTIONS["triton"]) == (("fused-gluon-ws",) if one_pass else two_gluon_passes)
+    assert not one_pass_by_default(1, 2, 256, d, sm_count(q.device))  # 4 programs and 256 keys: two passes
+    assert kernels(BACKWARD_OPTIONS["triton"]) == two_gluon_passes
     wide = _head_views(4, 2, 4096, 16, d, seed=0)  # 2 x 16 x 32 programs of 128 keys: one pass at both
     assert choose_backward(*wide, BACKWARD_OPTIONS["triton"]).kernels == ("fused-gluon-ws",)
     assert kernels(BACKWARD_OPTIONS["two-pass"]) == two_gluon_passes

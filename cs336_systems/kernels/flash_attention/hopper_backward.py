@@ -71,27 +71,31 @@ DQ_QDO_REGS = {64: 0, 128: 0}
 # The passes the default backward runs in Gluon: those measured faster than their `tl` twins (notes/flash_attention.md;
 # with the L/D ring, commit d89950878c24: both, 49.1 against 53.3 ms at 1x32x32768x128).
 GLUON_PASSES = ("dkdv", "dq")
-# Head dims where the default backward is one pass instead (dQ reduced with TMA reduce-add: fp32 sums in arrival
-# order, so not bit-reproducible run to run); `backward="two-pass"` keeps two passes. The warp-specialised kernel of
-# hopper_one_pass.py. At d 128: attention-tune, 9cc04fa79ec1, 1x32x32768x128: 41.40 ms against 47.69 for the two
-# Gluon passes (the lockstep one-pass kernel here 62.74). At d 64 (the consumers taking turns at dQ; 9b214716a97a,
-# H100, `device_run.sh session37`): 24.16 against 26.58 ms at 4x32x16384x64, 1.92 against 2.04 at 4x32x4096x64,
-# 0.744 / 2.884 against 0.882 / 3.315 at 1x1x32768x64 / 1x1x65536x64 -- but 0.193 / 0.370 against 0.158 / 0.347
-# at 1x1x8192x64 / 1x1x16384x64, where its 64 / 128 programs (128 keys each) leave SMs idle and the dK/dV pass's
-# 128 / 256 (64 keys each) do not: at d 64 one pass only where its programs at least fill the GPU.
+# Where the default backward is one pass instead (dQ reduced with TMA reduce-add: fp32 sums in arrival order, so not
+# bit-reproducible run to run); `backward="two-pass"` keeps two passes. The warp-specialised kernel of
+# hopper_one_pass.py, at these head dims, where its programs (128 keys each) at least fill the GPU and the keys are
+# at least ONE_PASS_MIN_KEYS:
+# - d 128: attention-tune, 9cc04fa79ec1, 1x32x32768x128: 41.40 ms against 47.69 for the two Gluon passes (the
+#   lockstep one-pass kernel here 62.74).
+# - d 64 (the consumers taking turns at dQ), H100, `device_run.sh session37` at 9b214716a97a: 24.16 against 26.58 ms
+#   at 4x32x16384x64, 1.92 against 2.04 at 4x32x4096x64, 0.744 / 2.884 against 0.882 / 3.315 at 1x1x32768x64 /
+#   1x1x65536x64.
+# - Programs: at 1x1x8192 / 1x1x16384 the one pass has 64 / 128 programs, fewer than the SMs, and the dK/dV pass 128 /
+#   256 (64 keys each). Backward ms, one pass against two (`session38`, 96d22451f868, H200): d 64 0.160 / 0.347
+#   against 0.160 / 0.345 (H100: 0.193 / 0.370 against 0.158 / 0.347); d 128 0.329 / 0.634 against 0.225 / 0.536.
+# - Keys: at 4x12x512x64 (the model's small sizes) the kernels take the same GPU time either way (0.0566 against
+#   0.0573 ms fwd+bwd) and the one pass's extra launches (its fp32 dQ rows zeroed, then cast) cost host time (0.217
+#   against 0.139 ms a call); at 4x12x2048x64, 0.347 against 0.351.
 ONE_PASS_HEAD_DIMS: tuple[int, ...] = (64, 128)
-ONE_PASS_FILLING_THE_GPU_HEAD_DIMS: tuple[int, ...] = (64,)
+ONE_PASS_MIN_KEYS = 4096
 ONE_PASS_KEYS_PER_PROGRAM = 128  # hopper_one_pass.CONFIG's BLOCK_N
 
 
 def one_pass_by_default(batch: int, heads: int, n_keys: int, head_dim: int, sms: int) -> bool:
     """Whether the default backward of (batch, heads, n_keys keys, head_dim) inputs on a GPU of `sms` SMs is one
     pass (the rule above); the caller checks that the inputs can take it (`one_pass_eligible`, TMA strides)."""
-    if head_dim not in ONE_PASS_HEAD_DIMS:
-        return False
-    if head_dim not in ONE_PASS_FILLING_THE_GPU_HEAD_DIMS:
-        return True
-    return batch * heads * cdiv(n_keys, ONE_PASS_KEYS_PER_PROGRAM) >= sms
+    return (head_dim in ONE_PASS_HEAD_DIMS and n_keys >= ONE_PASS_MIN_KEYS
+            and batch * heads * cdiv(n_keys, ONE_PASS_KEYS_PER_PROGRAM) >= sms)
 
 
 def eligible(q: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.kernels.flash_attention.backward_tiles import WIDE_HEAD_DIM
-from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_FILLING_THE_GPU_HEAD_DIMS, ONE_PASS_HEAD_DIMS
+from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS, ONE_PASS_MIN_KEYS
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest, shared_value, span
 
@@ -144,9 +144,8 @@ def flash_benchmarking(doc: Document, r: Results) -> None:
         doc.add(Paragraph(
             f"`triton` is the default backward: on Hopper at d {'/'.join(map(str, ONE_PASS_HEAD_DIMS))} the "
             f"warp-specialised one-pass kernel (`hopper_one_pass.py`: each program owns {ONE_PASS_KEYS} keys and "
-            "adds its share of dQ into fp32 rows by TMA reduce-add, so dQ is not bit-reproducible; at d "
-            f"{'/'.join(map(str, ONE_PASS_FILLING_THE_GPU_HEAD_DIMS))} only where those programs fill the GPU), "
-            "elsewhere two "
+            "adds its share of dQ into fp32 rows by TMA reduce-add, so dQ is not bit-reproducible), where those "
+            f"programs fill the GPU and there are at least {ONE_PASS_MIN_KEYS} keys; elsewhere two "
             f"passes (at head dims that pad to {WIDE_HEAD_DIM}, in bf16 or fp16, the dK/dV pass runs as a dV pass and "
             "a dK pass). `triton-two-pass-bwd` is always the two deterministic passes. Repeat calls replay launch "
             "plans: the compiled kernels called "

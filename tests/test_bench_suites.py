@@ -142,3 +142,15 @@ def test_attention_compiled_backward_also_resets_dynamo_per_case(tmp_path, monke
     rows = [r for r in load_rows(tmp_path / "attention.jsonl") if r["metric"] == "time"]
     assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
     assert len(resets) == 3  # once per triton-compile-bwd case, never for naive
+
+
+def test_attention_tune_compiles_on_a_short_sequence_of_the_same_specialisation():
+    """Compile workers launch a short sequence where it is a multiple of 16 (Triton's specialisation is the same,
+    the memory a sliver) and the shape itself otherwise."""
+    from cs336_systems.bench.suites.attention_tune import COMPILE_SEQ, compile_shape
+
+    assert compile_shape((4, 32, 16384, 64)) == (4, 32, COMPILE_SEQ, 64)
+    assert COMPILE_SEQ % 16 == 0 and COMPILE_SEQ > 1
+    assert compile_shape((1, 1, 128, 128)) == (1, 1, 128, 128)  # already short
+    assert compile_shape((2, 3, 1000, 64)) == (2, 3, 1000, 64)  # 1000 % 16 == 8: its own specialisation
+

@@ -22,7 +22,7 @@ Register reallocation (`setmaxnreg`) gives the consumers what the producer does 
 Scope: Hopper, fp16/bf16, head dim 64 or 128 (dQ's products are 64 columns wide, the 128-byte swizzle's
 width), `hopper_backward.eligible` inputs with TMA strides, more than one query row
 (`hopper_backward.one_pass_eligible`), any lengths. It is `backward="fused"` at those head dims
-(`dispatch.backward_launches`), the default backward where `hopper_backward.ONE_PASS_HEAD_DIMS` says, and
+(`dispatch.backward_launches`), the default backward where `hopper_backward.one_pass_by_default` says, and
 attention-tune's kernel `fused-gluon-ws`.
 """
 
@@ -118,11 +118,11 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         delta = delta_smem.index(slot).load(gl.SliceLayout(0, s_layout))
         dsT = gluon_common.zero_first_row_t(pT * (dpT - delta[None, :]), tile, MASKED, IS_CAUSAL, BLOCK_M,
                                             s_layout).to(dtype)
-        # This consumer's half of dS^T into the shared buffer of this step's parity. The buffer's readers two steps
-        # ago (both consumers at d 128; at d 128 and 64 the one whose turn it was) retired those products before
-        # they signalled last step's buffer, which the consumer reading last step waited for: at d 128 this one;
-        # at d 64 this one unless it read two steps ago itself. This consumer's own reduction from DQ_BUFFERS
-        # (at d 64: 2 x DQ_BUFFERS) steps ago must have read its stage.
+        # This consumer's half of dS^T into the shared buffer of this step's parity. That buffer's readers two steps
+        # ago (at d 128 both consumers, at d 64 the one whose turn it was) retired those products before they
+        # signalled last step's buffer, which last step's reader waited for: at d 128 this consumer; at d 64 this
+        # one too, unless it read the buffer two steps ago itself. This consumer's own reduction from DQ_BUFFERS
+        # of its dQ products ago must have read its stage.
         tma.store_wait(pendings=DQ_BUFFERS - 1)
         ds_tile = ds_smem.index(step % 2)
         ds_tile.slice(half * KEYS_PER_CONSUMER, KEYS_PER_CONSUMER, dim=0).store(dsT)
@@ -133,10 +133,10 @@ def _query_tiles(dk, dv, half: gl.constexpr, k_half, v_half, k_smem, q_smem, do_
         if TAKE_TURNS:
             # (new names: dk and dv are products in flight here, tensors once waited for in either branch)
             if step % 2 == half:  # each consumer waits only on the buffer of its own parity, every phase of it
-                dk_done, dv_done = _add_dq_share(dk, dv, ds_tile, k_smem, dq_stage.index(half * DQ_BUFFERS
-                                                                               + (step // 2) % DQ_BUFFERS),
-                                       dq_desc, ds_ready.index(step % 2), (step // 2) & 1, empty.index(slot),
-                                       tile * BLOCK_M, 0, sm_scale, share_layout)
+                stage = dq_stage.index(half * DQ_BUFFERS + (step // 2) % DQ_BUFFERS)
+                dk_done, dv_done = _add_dq_share(dk, dv, ds_tile, k_smem, stage, dq_desc, ds_ready.index(step % 2),
+                                                 (step // 2) & 1, empty.index(slot), tile * BLOCK_M, 0, sm_scale,
+                                                 share_layout)
             else:
                 dk_done, dv_done = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
                 mbarrier.arrive(empty.index(slot))  # every product that read this slot has retired

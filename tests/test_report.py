@@ -135,6 +135,22 @@ def test_attention_kernel_time_table_holds_the_target_cases_only(tmp_path):
     assert "1.286" in table  # cuDNN's kernel time / ours: 0.27 / 0.21
 
 
+def test_attention_targets_count_the_training_shapes_at_or_ahead_of_cudnn(tmp_path):
+    """Every training shape is listed (4096 too, below issue 4's seq >= 8192), and the count at or ahead of cuDNN
+    names those behind it; issue 4's ratios still count the long cases only."""
+    rows = []
+    for seq, ours in ((16384, 0.9), (4096, 1.1)):
+        shape = dict(batch=4, heads=32, seq=seq, d=64, dtype="bf16", causal=True)
+        for provider, wall in (("triton", ours), ("sdpa-cudnn", 1.0), ("sdpa-flash", 1.5)):
+            rows += _attention_rows(provider, wall, **shape)
+    text = _report_from(tmp_path, "attention", rows)
+    table = text[text.index("*forward + backward: ours against SDPA, median ms*"):].split("\n\n")[1]
+    assert sum(" 4096 " in row for row in table.splitlines()) == 1
+    line = next(x for x in text.splitlines() if x.startswith("Targets (seq >= 8192") and "multi-head" in x)
+    assert "0.9x cuDNN on 1 of 1" in line and "At or ahead of cuDNN" in line and ": 1 of 2." in line
+    assert "Behind cuDNN among the multi-head training shapes: 4x32x4096x64." in text
+
+
 def test_attention_target_table_keeps_fp32_rows_out(tmp_path):
     """The seq >= 8192 table has no dtype column: fp32 rows at the same shape must not be averaged into it."""
     rows = []

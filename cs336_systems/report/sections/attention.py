@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.bench.suites.attention import SWEEPS
 from cs336_systems.kernels.flash_attention.backward_tiles import WIDE_HEAD_DIM
 from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS, ONE_PASS_MIN_KEYS
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
@@ -13,6 +14,9 @@ from cs336_systems.report.sections.common import Results, environment, latest, s
 # Issue 4's targets (fwd+bwd, bf16, causal): the cases, and the ratios against SDPA's backends ours must reach.
 TARGET_SEQ, TARGET_DIMS = 8192, (64, 128)
 TARGET_VS_FLASH, TARGET_VS_CUDNN = 1.3, 0.9
+# Issue 35's bar: at or ahead of cuDNN on every training shape and every single-head case above.
+AHEAD_OF_CUDNN = 1.0
+TRAIN_SHAPES = tuple(SWEEPS["train"]["shapes"])  # (batch, heads, seq, d)
 PEAK_D = 128  # the head dim of the forward-peak sentence and the memory table
 SHORT_SEQ = 512  # at or below: the host-bound short calls
 FP32_FROM_SEQ = 2048  # the fp32 ratios' shapes
@@ -97,8 +101,10 @@ def flash_benchmarking(doc: Document, r: Results) -> None:
         return r.note_missing(doc, "flash_benchmarking", "attention rows (GPU)")
     t = latest(att[(att["metric"] == "time") & (att["heads"] > 0)],
                ["provider", "batch", "heads", "seq", "d", "dtype", "pass"])
-    # bf16 only: the targets are bf16, and the table's rows have no dtype column to keep fp32 apart
-    big = t[(t["seq"] >= TARGET_SEQ) & (t["status"] == "ok") & (t["dtype"] == "bf16")]
+    # bf16 only: the targets are bf16, and the table's rows have no dtype column to keep fp32 apart. The long
+    # sequences, and every training shape (its shortest, 4096, is one of issue 35's cases).
+    train = pd.Series(list(zip(t["batch"], t["heads"], t["seq"], t["d"])), index=t.index).isin(TRAIN_SHAPES)
+    big = t[((t["seq"] >= TARGET_SEQ) | train) & (t["status"] == "ok") & (t["dtype"] == "bf16")]
     wide = big.pivot_table(index=["batch", "heads", "seq", "d", "pass"], columns="provider",
                            values="median").reset_index()
     for base in ("sdpa-flash", "sdpa-cudnn"):
@@ -128,19 +134,28 @@ def flash_benchmarking(doc: Document, r: Results) -> None:
                              ("single-head sweep shapes", fb[fb["heads"] == 1])):
             if group.empty:
                 continue
-            ok_flash = (group["speed-up vs sdpa-flash"] >= TARGET_VS_FLASH).sum()
-            ok_cudnn = (group["speed-up vs sdpa-cudnn"] >= TARGET_VS_CUDNN).sum()
+            long = group[group["seq"] >= TARGET_SEQ]  # issue 4's cases
+            ok_flash = (long["speed-up vs sdpa-flash"] >= TARGET_VS_FLASH).sum()
+            ok_cudnn = (long["speed-up vs sdpa-cudnn"] >= TARGET_VS_CUDNN).sum()
+            rated = group.dropna(subset=["speed-up vs sdpa-cudnn"])  # (cases cuDNN was timed beside)
+            ahead = (rated["speed-up vs sdpa-cudnn"] >= AHEAD_OF_CUDNN).sum()
             commits = ", ".join(sorted(set(group["triton commit"])))
             doc.add(Paragraph(
                 f"Targets (seq >= {TARGET_SEQ}, d {'/'.join(map(str, TARGET_DIMS))}, fwd+bwd), {label} (ours from "
-                f"commit {commits}): at least {TARGET_VS_FLASH}x SDPA-flash on {ok_flash} of {len(group)}, at least "
-                f"{TARGET_VS_CUDNN}x cuDNN on {ok_cudnn} of {len(group)} "
-                f"(range {group['speed-up vs sdpa-cudnn'].min():.3f}-{group['speed-up vs sdpa-cudnn'].max():.3f}x)."))
-            short = group[(group["speed-up vs sdpa-flash"] < TARGET_VS_FLASH)
-                          | (group["speed-up vs sdpa-cudnn"] < TARGET_VS_CUDNN)]
+                f"commit {commits}): at least {TARGET_VS_FLASH}x SDPA-flash on {ok_flash} of {len(long)}, at least "
+                f"{TARGET_VS_CUDNN}x cuDNN on {ok_cudnn} of {len(long)} "
+                f"(range {long['speed-up vs sdpa-cudnn'].min():.3f}-{long['speed-up vs sdpa-cudnn'].max():.3f}x). "
+                f"At or ahead of cuDNN (every case listed here; the speed issue's bar): {ahead} of {len(rated)}."))
+            short = long[(long["speed-up vs sdpa-flash"] < TARGET_VS_FLASH)
+                         | (long["speed-up vs sdpa-cudnn"] < TARGET_VS_CUDNN)]
             if not short.empty:
                 cases = ", ".join(f"d {d} seq {n}" for d, n in zip(short["d"], short["seq"]))
                 doc.add(Paragraph(f"Short of a target among the {label}: {cases}."))
+            behind = group[group["speed-up vs sdpa-cudnn"] < AHEAD_OF_CUDNN]
+            if not behind.empty:
+                cases = ", ".join(f"{b}x{h}x{n}x{d}" for b, h, n, d in
+                                  zip(behind["batch"], behind["heads"], behind["seq"], behind["d"]))
+                doc.add(Paragraph(f"Behind cuDNN among the {label}: {cases}."))
         doc.add(Paragraph(
             f"`triton` is the default backward: on Hopper at d {'/'.join(map(str, ONE_PASS_HEAD_DIMS))} the "
             f"warp-specialised one-pass kernel (`hopper_one_pass.py`: each program owns {ONE_PASS_KEYS} keys and "

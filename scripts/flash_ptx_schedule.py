@@ -11,6 +11,9 @@ exponentials run, then dV and dP^T are issued together and waited for, then dK i
 
     python scripts/flash_ptx_schedule.py                      # the shipped first configs, d 128, bf16, causal
     python scripts/flash_ptx_schedule.py --kernel dq --config 128x64x8x3,64x64x4x3 --d 64
+
+A config that does not compile prints "does not compile (ErrorType)"; PTX_SCHEDULE_TRACEBACK=1 raises the error
+instead, with the compiler's message.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -301,6 +301,21 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
+      ;;
+    session39)
+      # For the next session's H200 (~8 min): the d 64 forward's tiles at the model's own shapes (the default moved to
+      # 64 x 64 for keys <= 4096 in the sixteenth session, measured at 4x32x4096x64 only), then every size at ctx 512
+      # in the three modes at today's code (issue 32's table on its card; the warm-up by time's first GPU run).
+      timeout 120 python3 -m cs336_systems.bench attention-tune --compile-workers 4 --shape 4x12x512x64,4x12x2048x64 \
+        --kernel forward-gluon-late,forward-gluon-ws,fused-gluon-ws,dkdv-gluon-kv,dq-gluon --no-progress \
+        --results-dir "$R" 2>&1 | grep -v Warning | tail -8
+      every_size 330 512 off,on,reduce-overhead
+      ;;
+    session40)
+      # The next session's second H200 call (~7 min): issue 35's attention targets once, then the 8B step beside the
+      # baseline (needs the H200's memory: pass needs_h200).
+      TARGET_RUNS=1 run_stage attention-targets
+      run_stage leaderboard-quick
       ;;
     session38)
       # The sixteenth session's third call (~7 min): the d 64 defaults chosen from session37 (one pass where its

@@ -312,8 +312,11 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       every_size 330 512 off,on,reduce-overhead
       ;;
     session40)
-      # The next session's second H200 call (~7 min): issue 35's attention targets once, then the 8B step beside the
-      # baseline (needs the H200's memory: pass needs_h200).
+      # The next session's second H200 call (~8 min): the attention tests the sixteenth session's last changes touched
+      # (the default backward's rule, the d 64 one pass's first causal row), issue 35's attention targets once, then
+      # the 8B step beside the baseline (needs the H200's memory: pass needs_h200).
+      gpu_tests session40 130 tests/test_kernels_flash_attention.py \
+        -k "choice or default_kernels or gluon_backward_matches or first_causal_row or warp_specialised"
       TARGET_RUNS=1 run_stage attention-targets
       run_stage leaderboard-quick
       ;;

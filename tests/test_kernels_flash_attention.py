@@ -1070,7 +1070,7 @@ def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backwards_give_the_first_causal_row_exact_zeros(backward, head_dim):
     """Under a causal mask the first query sees one key: PyTorch's dQ for it is exactly 0 (and that key's dK gets
-    nothing from it). Every Hopper backward (the warp-specialised one pass at d 128, the Gluon one pass, the two
+    nothing from it). Every Hopper backward (the warp-specialised one pass at d 64 and 128, the Gluon one pass, the two
     Gluon passes) zeroes that row's dS as the tl kernels do, rather than leave D's rounding residue."""
     from cs336_systems.kernels.flash_attention.function import flash_attention
 

@@ -52,6 +52,8 @@ COMMAND_LINES = [
     ([*MODEL, "--warmup-s", "-0.5"], "argparse", "--warmup-s: got '-0.5'; must be a finite number >= 0"),
     ([*MODEL, "--warmup-s", "inf"], "argparse", "--warmup-s: got 'inf'; must be a finite number >= 0"),
     ([*MODEL, "--steps", "0"], "argparse", "--steps: got 0; must be >= 1"),
+    ([*MODEL, "--rounds", "0"], "argparse", "--rounds: got 0; must be >= 1"),
+    ([*MODEL, "--rounds", "2", "--profile"], "exit", "--rounds 2 interleaves timing only; --memory and --profile"),
     ([*MODEL, "--dtype", "int8"], "argparse", "--dtype: got 'int8'; allowed: fp32, bf16, fp16"),
     ([*MODEL, "--attention", "magic"], "argparse", "--attention: invalid choice: 'magic'"),
     ([*MODEL, "--optimizer", "sgd"], "argparse", "--optimizer: invalid choice: 'sgd'"),

@@ -56,6 +56,39 @@ def test_model_suite_warms_up_for_the_seconds_asked_and_records_the_steps_it_too
     assert warmups[0] == [1] and warmups[1][0] > 1
 
 
+def test_model_suite_rounds_interleave_the_providers_and_pool_their_steps(tmp_path, monkeypatch):
+    """--rounds R: every provider of a configuration built and warmed up first, then timed in R rounds, the order
+    reversed every other round; each row pools R x --steps steps and records rounds."""
+    from cs336_systems.bench.suites import model
+
+    order = []
+    timed_step = model._timed_step
+
+    def recording(harness, mode, ranges):
+        order.append(harness.case.provider)
+        return timed_step(harness, mode, ranges)
+
+    monkeypatch.setattr(model, "_timed_step", recording)
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward", "--device", "cpu",
+                 "--provider", "ours,baseline", "--rounds", "3", "--warmup", "1", "--steps", "2", "--no-progress",
+                 "--results-dir", str(tmp_path)]) == 0
+    assert order == ["ours", "baseline", "baseline", "ours", "ours", "baseline"]
+    times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert [(r["provider"], r["n"], r["warmup"], r["config"]["rounds"]) for r in times] == [
+        ("ours", 6, 1, 3), ("baseline", 6, 1, 3)]
+
+
+def test_model_suite_rounds_group_each_configuration_with_all_its_providers():
+    from cs336_systems.bench.suites.model import cases, interleaved_groups
+
+    args = build_parser().parse_args(["model", "--preset", "tiny,small", "--context", "16,32", "--device", "cpu",
+                                      "--provider", "ours,baseline", "--rounds", "2"])
+    groups = interleaved_groups(cases(args))
+    assert len(groups) == 4 and all([c.provider for c in g] == ["ours", "baseline"] for g in groups)
+    assert len({(g[0].preset, g[0].context) for g in groups}) == 4
+    assert all(len({(c.preset, c.context) for c in g}) == 1 for g in groups)
+
+
 def test_model_suite_runs_our_whole_stack_compiled_on_the_cpu(tmp_path, monkeypatch):
     """Issue 32's CPU command: our attention, fused kernels and fused AdamW, compiled, on a machine without a GPU
     (the operators' torch maths, not the interpreter); every row ok, and the compile mode recorded."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import sys
@@ -31,7 +32,7 @@ from cs336_systems.kernels._triton_utils import triton_ops_enabled
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
-from cs336_systems.profiling.timing import time_fn
+from cs336_systems.profiling.timing import Timing, time_fn
 from cs336_systems.recipe import Recipe, attention_context, build_model, build_optimizer, forward_of
 from cs336_systems.results import ResultStore, format_table, pivot_table
 
@@ -104,6 +105,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compiles) have run this many seconds: a GPU idle through a compile is not back at "
                              "speed after a few short steps (default 1 on CUDA, 0 on the CPU)")
     parser.add_argument("--steps", type=common.positive_int("--steps"), default=10, help="timed steps (default 10)")
+    parser.add_argument("--rounds", type=common.positive_int("--rounds"), default=1,
+                        help="time the providers of each configuration in this many interleaved rounds of --steps "
+                             "steps (ours, baseline, then baseline, ours, ...), all models built and warmed up first: "
+                             "a host that speeds up or slows down over a minute then weighs on both sides alike. "
+                             "Rows pool the rounds' steps and record rounds; no peak-memory row (both models are "
+                             "resident). Default 1: each provider timed once, one after the other")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
                              ("num-heads", "heads"), ("vocab-size", "vocabulary")):
         parser.add_argument(f"--{field}", type=common.positive_int(f"--{field}"), default=None,
@@ -225,16 +232,34 @@ def run(args) -> int:
             case.checkpoint.check_fits(case.model_config(overrides).num_layers, "--checkpoint")
         except ValueError as error:  # a bad --preset / --d-model / --num-heads / ... combination, or policy
             raise SystemExit(f"cs336-bench model: {error}") from None
+    if args.rounds > 1 and (args.memory or args.profile):
+        raise SystemExit(f"cs336-bench model: --rounds {args.rounds} interleaves timing only; --memory and --profile "
+                         "record one model at a time: drop them or use --rounds 1")
     store = ResultStore("model", device, args.results_dir)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (
         measure_matmul_peak(device) if device.type == "cuda" else None)
     if peak:
         store.add(provider="torch", config={"op": "matmul", "dtype": "bf16", "size": 8192},
                   metric="matmul_peak", unit="TFLOP/s", value=peak / 1e12)
-    for case in tqdm(all_cases, desc="model suite", disable=args.no_progress):
-        _run_case(case, case.model_config(overrides), args, store, peak)
+    if args.rounds > 1:
+        groups = interleaved_groups(all_cases)
+        for group in tqdm(groups, desc="model suite", disable=args.no_progress):
+            _run_rounds(group, group[0].model_config(overrides), args, store, peak)
+    else:
+        for case in tqdm(all_cases, desc="model suite", disable=args.no_progress):
+            _run_case(case, case.model_config(overrides), args, store, peak)
     _print_table(store, args)
     return 0
+
+
+def interleaved_groups(all_cases: list[ModelCase]) -> list[list[ModelCase]]:
+    """The cases in groups timed together by `--rounds`: those that differ only in provider and weight copies (one
+    configuration, every form of it), in the order `cases` made them."""
+    groups: dict[tuple, list[ModelCase]] = {}
+    for case in all_cases:
+        key = (case.preset, case.context, case.batch, case.dtype, case.compile, case.compile_scope, case.compile_mode)
+        groups.setdefault(key, []).append(case)
+    return list(groups.values())
 
 
 def _record_failure(store: ResultStore, provider: str, config: dict, metric: str, error: BaseException) -> None:
@@ -307,7 +332,19 @@ def _run_case(case: ModelCase, cfg: ModelConfig, args, store: ResultStore, peak:
 
 def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultStore, ranges: PhaseRanges,
                peak: float | None) -> None:
-    device, provider = args.device, harness.case.provider
+    device = args.device
+    timed = _timed_step(harness, mode, ranges)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset,
+                     warmup_s=_warmup_seconds(args))
+    _record_timing(harness, mode, config, store, timing, ranges, args.steps, peak)
+    if device.type == "cuda":
+        store.add(provider=harness.case.provider, config=config | {"mode": mode}, metric="peak_allocated",
+                  unit="GiB", value=torch.cuda.max_memory_allocated(device) / 2**30)
+
+
+def _timed_step(harness: _Harness, mode: str, ranges: PhaseRanges):
     step = harness.step_fn(mode, ranges.phase)
     measured = (lambda: torch.cuda.nvtx.range("measured")) if ranges.nvtx else contextlib.nullcontext
 
@@ -315,11 +352,17 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
         with measured():
             step()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    warmup_s = args.warmup_s if args.warmup_s is not None else (1.0 if device.type == "cuda" else 0.0)
-    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset,
-                     warmup_s=warmup_s)
+    return timed
+
+
+def _warmup_seconds(args) -> float:
+    return args.warmup_s if args.warmup_s is not None else (1.0 if args.device.type == "cuda" else 0.0)
+
+
+def _record_timing(harness: _Harness, mode: str, config: dict, store: ResultStore, timing: Timing,
+                   ranges: PhaseRanges, steps: int, peak: float | None) -> None:
+    """A timed mode's rows: time, first call, tokens/s, TFLOP/s, MFU and the phases' mean time per step."""
+    provider = harness.case.provider
     row_config = config | {"mode": mode}
     store.add(provider=provider, config=row_config, metric="time", unit="ms", stats=timing.stats())
     if timing.first_call_s is not None:  # carries compilation when --compile on
@@ -334,10 +377,50 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
                   value=100 * flops / timing.median / peak)
     for phase, samples in ranges.collect().items():
         store.add(provider=provider, config=row_config | {"phase": phase}, metric="phase_time", unit="ms",
-                  value=sum(samples) / args.steps * 1e3)
-    if device.type == "cuda":
-        store.add(provider=provider, config=row_config, metric="peak_allocated", unit="GiB",
-                  value=torch.cuda.max_memory_allocated(device) / 2**30)
+                  value=sum(samples) / steps * 1e3)
+
+
+def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
+    """`--rounds`: build every case of one configuration, warm each up, then time them in args.rounds rounds of
+    args.steps steps, the order reversed every other round; one set of rows per case over all its rounds' steps."""
+    device = args.device
+    common.free_memory(device)
+    built = []  # (case, config, harness, ranges)
+    for case in group:
+        config = row_config(case, cfg) | {"rounds": args.rounds}
+        try:
+            # (each compiled harness resets dynamo when built: all are built before any compiles, on first call)
+            built.append((case, config, _Harness(case, cfg, device), PhaseRanges(device, nvtx=args.nvtx, time=True)))
+        except Exception as error:
+            for mode in args.mode:
+                _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+            common.free_memory(device)
+    for mode in args.mode:
+        live = list(built)
+        timings: dict[int, Timing] = {}
+        for round_index in range(args.rounds):
+            for case, config, harness, ranges in (live if round_index % 2 == 0 else live[::-1]):
+                first = round_index == 0
+                try:
+                    with harness.attention_context():
+                        timing = time_fn(_timed_step(harness, mode, ranges), warmup=args.warmup if first else 0,
+                                         steps=args.steps, device=device,
+                                         after_warmup=ranges.reset if first else None,
+                                         warmup_s=_warmup_seconds(args) if first else 0.0)
+                except Exception as error:  # this case leaves the rounds; the others go on
+                    _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+                    live = [entry for entry in live if entry[2] is not harness]
+                    timings.pop(id(harness), None)
+                    harness.optimizer.zero_grad(set_to_none=True)
+                    common.free_memory(device)
+                    continue
+                timings[id(harness)] = timing if first else dataclasses.replace(
+                    timings[id(harness)], samples_s=timings[id(harness)].samples_s + timing.samples_s,
+                    host_samples_s=timings[id(harness)].host_samples_s + timing.host_samples_s)
+        for _case, config, harness, ranges in live:
+            _record_timing(harness, mode, config, store, timings[id(harness)], ranges, args.steps * args.rounds, peak)
+    built = live = None
+    common.free_memory(device)
 
 
 def _artifact_stem(args, case: ModelCase, mode: str) -> Path:

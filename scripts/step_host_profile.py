@@ -39,7 +39,7 @@ import torch
 
 from cs336_systems.bench.suites.model import ModelCase, _Harness
 from cs336_systems.config import ModelConfig, preset_names
-from cs336_systems.profiling.timing import warm_up
+from cs336_systems.profiling.timing import default_warmup_seconds, warm_up
 
 # name -> (provider, attention, fused, optimizer): ours, then ours without one piece at a time, then our model
 # with none of them (the staff attention maths), beside the baseline.
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                       VARIANT_SETTINGS.get(name, contextlib.nullcontext)()):
                     step = harness.step_fn("train-step", lambda _name: contextlib.nullcontext())
                     # Warm-up (and compilation), then by time on CUDA, as the model suite's --warmup-s default.
-                    warm_up(step, calls=5, device=device, seconds=1.0 if device.type == "cuda" else 0.0)
+                    warm_up(step, calls=5, device=device, seconds=default_warmup_seconds(device))
                     times = _steps_ms(step, args.steps, device)
                     profiler = cProfile.Profile()
                     profiler.enable()

@@ -649,7 +649,12 @@ def test_default_kernels_by_head_dim_length_and_programs():
     SMs: one pass at d 64 and 128 where its programs of 128 keys fill the GPU and there are at least
     ONE_PASS_MIN_KEYS keys; the warp-specialised forward at d 128 everywhere, at d 64 where rows are long and its
     programs fill the GPU, 64 x 64 tiles for short rows; other head dims neither."""
-    from cs336_systems.kernels.flash_attention.hopper_backward import one_pass_by_default
+    from cs336_systems.kernels.flash_attention import hopper_one_pass
+    from cs336_systems.kernels.flash_attention.hopper_backward import (
+        ONE_PASS_HEAD_DIMS,
+        ONE_PASS_KEYS_PER_PROGRAM,
+        one_pass_by_default,
+    )
     from cs336_systems.kernels.flash_attention.hopper_forward import (
         FORWARD_CONFIG,
         SHORT_FORWARD_CONFIG,
@@ -658,6 +663,8 @@ def test_default_kernels_by_head_dim_length_and_programs():
         default_forward,
     )
 
+    for d in ONE_PASS_HEAD_DIMS:  # the rule counts the kernel's own programs
+        assert hopper_one_pass.CONFIG[d][1] == ONE_PASS_KEYS_PER_PROGRAM, d
     sms = 132
     for d in (64, 128):
         for batch, heads, seq in ((4, 32, 16384), (4, 32, 4096), (1, 1, 32768), (1, 1, 65536)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from timeit import default_timer
 
 import torch
@@ -48,10 +48,21 @@ class Timing:
     def std(self) -> float:
         return statistics.stdev(self.samples_s) if self.n > 1 else 0.0
 
+    def pooled(self, later: Timing) -> Timing:
+        """This timing with `later`'s samples added (its warm-up and first call kept): rounds of one measurement."""
+        return replace(self, samples_s=self.samples_s + later.samples_s,
+                                   host_samples_s=self.host_samples_s + later.host_samples_s)
+
     def stats(self, scale: float = 1e3) -> dict[str, float]:
         """median/mean/std/min/max (scaled, default to ms), n and warm-up count: the result-row fields."""
         return dict(median=self.median * scale, mean=self.mean * scale, std=self.std * scale,
                     min=min(self.samples_s) * scale, max=max(self.samples_s) * scale, n=self.n, warmup=self.warmup)
+
+
+def default_warmup_seconds(device: torch.device | str) -> float:
+    """Warm-up by time after a compile: 1 s on CUDA (a GPU idle through a compile is not back at speed after a few
+    short steps), none on the CPU."""
+    return 1.0 if torch.device(device).type == "cuda" else 0.0
 
 
 def warm_up(fn: Callable[[], object], *, calls: int, device: torch.device | str | None = None,

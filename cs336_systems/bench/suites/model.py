@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import itertools
 import sys
@@ -32,7 +31,7 @@ from cs336_systems.kernels._triton_utils import triton_ops_enabled
 from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
-from cs336_systems.profiling.timing import Timing, time_fn
+from cs336_systems.profiling.timing import Timing, default_warmup_seconds, time_fn
 from cs336_systems.recipe import Recipe, attention_context, build_model, build_optimizer, forward_of
 from cs336_systems.results import ResultStore, format_table, pivot_table
 
@@ -356,7 +355,7 @@ def _timed_step(harness: _Harness, mode: str, ranges: PhaseRanges):
 
 
 def _warmup_seconds(args) -> float:
-    return args.warmup_s if args.warmup_s is not None else (1.0 if args.device.type == "cuda" else 0.0)
+    return args.warmup_s if args.warmup_s is not None else default_warmup_seconds(args.device)
 
 
 def _record_timing(harness: _Harness, mode: str, config: dict, store: ResultStore, timing: Timing,
@@ -397,7 +396,7 @@ def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultSto
             common.free_memory(device)
     for mode in args.mode:
         live = list(built)
-        timings: dict[int, Timing] = {}
+        timings: dict[_Harness, Timing] = {}
         for round_index in range(args.rounds):
             for case, config, harness, ranges in (live if round_index % 2 == 0 else live[::-1]):
                 first = round_index == 0
@@ -410,15 +409,13 @@ def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultSto
                 except Exception as error:  # this case leaves the rounds; the others go on
                     _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
                     live = [entry for entry in live if entry[2] is not harness]
-                    timings.pop(id(harness), None)
+                    timings.pop(harness, None)
                     harness.optimizer.zero_grad(set_to_none=True)
                     common.free_memory(device)
                     continue
-                timings[id(harness)] = timing if first else dataclasses.replace(
-                    timings[id(harness)], samples_s=timings[id(harness)].samples_s + timing.samples_s,
-                    host_samples_s=timings[id(harness)].host_samples_s + timing.host_samples_s)
+                timings[harness] = timing if first else timings[harness].pooled(timing)
         for _case, config, harness, ranges in live:
-            _record_timing(harness, mode, config, store, timings[id(harness)], ranges, args.steps * args.rounds, peak)
+            _record_timing(harness, mode, config, store, timings[harness], ranges, args.steps * args.rounds, peak)
     built = live = None
     common.free_memory(device)
 

@@ -280,19 +280,19 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: as
     `default_forward` chooses (and its tiles)."""
     batch, heads, n_queries, head_dim = q4.shape
-    default_ws, default_config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim,
-                                                 sm_count(q4.device))
+    default_ws, config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim, sm_count(q4.device))
     if warp_specialised is None:
         warp_specialised = default_ws
+    elif warp_specialised != default_ws:  # the other kernel, asked for: its general tiles
+        config = WS_FORWARD_CONFIG if warp_specialised else FORWARD_CONFIG[head_dim]
     strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
-        return GluonPass(flash_forward_ws_kernel, args, flags, default_config if default_ws else WS_FORWARD_CONFIG,
-                         grid)
+        return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
     return GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),
-                     FORWARD_CONFIG[head_dim] if default_ws else default_config, grid)
+                     config, grid)
 
 
 # ---- The same forward, warp-specialised (FA3's producer / consumer split; default at WARP_SPECIALISED_HEAD_DIMS) ----

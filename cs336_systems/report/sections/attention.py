@@ -7,7 +7,11 @@ import pandas as pd
 
 from cs336_systems.bench.suites.attention import SWEEPS
 from cs336_systems.kernels.flash_attention.backward_tiles import WIDE_HEAD_DIM
-from cs336_systems.kernels.flash_attention.hopper_backward import ONE_PASS_HEAD_DIMS, ONE_PASS_MIN_KEYS
+from cs336_systems.kernels.flash_attention.hopper_backward import (
+    ONE_PASS_HEAD_DIMS,
+    ONE_PASS_KEYS_PER_PROGRAM,
+    ONE_PASS_MIN_KEYS,
+)
 from cs336_systems.report.document import Document, Figure, Heading, Paragraph, Table
 from cs336_systems.report.sections.common import Results, environment, latest, shared_value, span
 
@@ -21,7 +25,6 @@ PEAK_D = 128  # the head dim of the forward-peak sentence and the memory table
 SHORT_SEQ = 512  # at or below: the host-bound short calls
 FP32_FROM_SEQ = 2048  # the fp32 ratios' shapes
 HANDOUT_BATCH = 8  # the handout's naive-attention sweep: batch 8, 3-D inputs (no heads)
-ONE_PASS_KEYS = 128  # keys per program of the warp-specialised one-pass backward (hopper_one_pass.py)
 
 
 def _attention_kernel_time(doc: Document, att: pd.DataFrame) -> None:
@@ -158,8 +161,9 @@ def flash_benchmarking(doc: Document, r: Results) -> None:
                 doc.add(Paragraph(f"Behind cuDNN among the {label}: {cases}."))
         doc.add(Paragraph(
             f"`triton` is the default backward: on Hopper at d {'/'.join(map(str, ONE_PASS_HEAD_DIMS))} the "
-            f"warp-specialised one-pass kernel (`hopper_one_pass.py`: each program owns {ONE_PASS_KEYS} keys and "
-            "adds its share of dQ into fp32 rows by TMA reduce-add, so dQ is not bit-reproducible), where those "
+            "warp-specialised one-pass kernel (`hopper_one_pass.py`: each program owns "
+            f"{ONE_PASS_KEYS_PER_PROGRAM} keys and adds its share of dQ into fp32 rows by TMA reduce-add, so dQ is "
+            "not bit-reproducible), where those "
             f"programs fill the GPU and there are at least {ONE_PASS_MIN_KEYS} keys; elsewhere two "
             f"passes (at head dims that pad to {WIDE_HEAD_DIM}, in bf16 or fp16, the dK/dV pass runs as a dV pass and "
             "a dK pass). `triton-two-pass-bwd` is always the two deterministic passes. Repeat calls replay launch "

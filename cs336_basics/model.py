@@ -135,6 +135,11 @@ class CausalMultiHeadSelfAttention(nn.Module):
         """The input projections (Q, K, V), each (..., seq, heads * d) (a fused model may make them one product)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def rotate_qk(self, Q: torch.Tensor, K: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on queries and keys by the same positions (a fused model may rotate both in one kernel)."""
+        return self.positional_encoder(Q, positions), self.positional_encoder(K, positions)
+
     def forward(self, x: torch.Tensor, token_positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: (..., seq, d_model) -> (..., seq, d_model)."""
         seq = x.shape[-2]
@@ -147,8 +152,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             if token_positions is None:
                 token_positions = torch.arange(seq, device=x.device)
             positions = token_positions.unsqueeze(-2)  # (..., 1, seq): the same positions for every head
-            Q = self.positional_encoder(Q, positions)
-            K = self.positional_encoder(K, positions)
+            Q, K = self.rotate_qk(Q, K, positions)
         # Looked up as a module global at call time so a patched version takes effect.
         attend = scaled_dot_product_attention
         if getattr(attend, "causal_without_mask", False):

@@ -3,7 +3,8 @@
 `apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm (a block's two norms
 store autocast's dtype, which their products would cast to anyway) and of every `SwiGLU`
 to `w2(gate(w1 x, w3 x))` with the fused gate; with `rope=True` also every `RotaryEmbedding` to the fused RoPE (the
-leaderboard's default with its fused kernels), and every attention module then takes its token positions from one
+leaderboard's default with its fused kernels; each attention rotates its Q and K in one launch, `rope_pair`), and
+every attention module then takes its token positions from one
 cached `arange` per length and device: the model made a new one in every layer and step, and RoPE's on-device range
 check (four small kernels) ran for each, where one cached tensor is checked once (`kernels.rope._check_positions`).
 
@@ -44,6 +45,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock
 from cs336_systems.kernels.rmsnorm import rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
+from cs336_systems.kernels.rope import rope_pair as fused_rope_pair
 from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
 
 # CS336_FP32_WEIGHT_GRADIENTS=0: a 16-bit weight gradient product, then its cast (for A/B runs; read at import)
@@ -240,6 +242,11 @@ def _fused_rope_forward(self, x, pos_ids):
     return fused_rope(x, pos_ids, self._freq_cis_cache)
 
 
+def _fused_rotate_qk(self, q, k, positions):
+    # Q and K in one launch (a launch fewer per layer each way: most of a small model's RoPE time is its launches).
+    return fused_rope_pair(q, k, positions, self.positional_encoder._freq_cis_cache)
+
+
 @functools.lru_cache(maxsize=16)
 def _cached_positions(length: int, device: torch.device) -> torch.Tensor:
     return torch.arange(length, device=device)
@@ -285,6 +292,7 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projectio
             continue
         if rope and isinstance(module, CausalMultiHeadSelfAttention) and module.positional_encoder is not None:
             module.forward = types.MethodType(_attention_with_cached_positions, module)
+            module.rotate_qk = types.MethodType(_fused_rotate_qk, module)
         if isinstance(module, RMSNorm):
             module.forward = types.MethodType(
                 _fused_block_norm_forward if id(module) in block_norms else _fused_rmsnorm_forward, module)

@@ -430,6 +430,53 @@ def test_rope_splits_heads_over_programs_where_positions_alone_are_too_few(min_p
     torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["one product", "apart"])
+@pytest.mark.parametrize("positions", ["arange", "random", "per-head"])
+@pytest.mark.parametrize("min_programs", [1, 4, 528])
+def test_rope_pair_rotates_q_and_k_as_rope_does_each(min_programs, positions, layout, dtype, monkeypatch):
+    """rope_pair(q, k) against the fp64 reference of each, forward and both gradients: Q and K as column blocks of
+    one product (one launch: the kernel's second half of head groups takes K; with MIN_PROGRAMS 4 five heads split
+    3 + 2 per tensor, the last group short), or of different layouts (one contiguous, one a strided view: a launch
+    each)."""
+    from cs336_basics.model import RotaryEmbedding
+    from cs336_systems.kernels import rope as rope_module
+
+    monkeypatch.setattr(rope_module, "MIN_PROGRAMS", min_programs)
+    device = kernel_device()
+    torch.manual_seed(6)
+    batch, heads, seq, dim = 2, 5, 17, 16
+    cache = RotaryEmbedding(64, dim)._freq_cis_cache.to(device)
+    pos = {"arange": torch.arange(seq), "random": torch.randint(0, 64, (batch, 1, seq)),
+           "per-head": torch.randint(0, 64, (batch, heads, seq))}[positions].to(device)
+    product = torch.randn(batch, seq, 3 * heads * dim, device=device).to(dtype)  # Q | K | V columns
+    q, k, _ = (t.unflatten(-1, (heads, dim)).transpose(1, 2) for t in product.split(heads * dim, dim=-1))
+    if layout == "apart":
+        k = k.contiguous()
+    dq, dk = torch.randn(2, batch, heads, seq, dim, device=device)
+    leaves = [t.detach().requires_grad_() for t in (q, k)]  # (detach: a view of the same layout)
+    ours = rope_module.rope_pair(*leaves, pos, cache.to(dtype))
+    torch.autograd.backward(ours, (dq.to(dtype), dk.to(dtype)))
+    for name, x, out, grad_in, leaf in (("q", q, ours[0], dq, leaves[0]), ("k", k, ours[1], dk, leaves[1])):
+        ref, (ref_dx,) = _grads(lambda a: rope_module.rope_reference(a, pos, cache.double()), x.double(),
+                                grad_out=grad_in.double())
+        low, (low_dx,) = _grads(lambda a: rope_module.rope_reference(a, pos, cache.to(dtype)), x, grad_out=grad_in)
+        order = [sorted(range(4), key=lambda i: -t.stride(i)) for t in (out, x)]  # dense, in x's order of dims
+        assert out.dtype == dtype and out.shape == x.shape and order[0] == order[1]
+        assert out.stride(order[0][0]) * out.shape[order[0][0]] == out.numel()
+        assert_within_budget(f"{name}: y", out, ref, low)
+        assert_within_budget(f"{name}: dx", leaf.grad, ref_dx, low_dx)
+
+
+def test_rope_pair_refuses_q_and_k_of_different_shapes():
+    from cs336_systems.kernels.rope import rope_pair
+
+    with pytest.raises(ValueError, match=r"rope_pair: q and k must have one shape, got \(2, 3, 4, 8\) and "):
+        rope_pair(torch.ones(2, 3, 4, 8), torch.ones(2, 1, 4, 8), torch.arange(4), torch.ones(2, 16, 4))
+    with pytest.raises(ValueError, match="rope_pair: cache must be"):
+        rope_pair(torch.ones(2, 3, 4, 8), torch.ones(2, 3, 4, 8), torch.arange(4), torch.ones(2, 16, 3))
+
+
 def test_rope_reads_the_models_head_view_in_place_and_keeps_its_layout():
     """The model rotates a (batch, heads, seq, d) view of the (batch, seq, heads x d) projection: no copy
     in, the output in the same layout (so the attention and the gradient's way back are copy-free)."""

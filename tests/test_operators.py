@@ -39,7 +39,7 @@ def _operator_cases(device: str):
         rmsnorm_traced_backward_op,
         rmsnorm_traced_op,
     )
-    from cs336_systems.kernels.rope import rope_op, rope_traced_op
+    from cs336_systems.kernels.rope import rope_op, rope_pair_op, rope_pair_traced_op, rope_traced_op
     from cs336_systems.kernels.swiglu import (
         silu_mul_backward_op,
         silu_mul_op,
@@ -60,6 +60,8 @@ def _operator_cases(device: str):
     a, b = rand(3, 37, grad=True), rand(3, 37, grad=True)
     cache = RotaryEmbedding(context_length=16, dim=8)._freq_cis_cache.to(device)
     heads = rand(2, 5, 3, 8).transpose(1, 2).requires_grad_()  # the model's strided head view
+    qk = rand(2, 5, 2, 3, 8).permute(2, 0, 3, 1, 4)  # Q and K as column blocks of one product, head views
+    q_heads, k_heads = qk[0].detach().requires_grad_(), qk[1].detach().requires_grad_()
     positions = torch.broadcast_to(torch.arange(5, device=device), heads.shape[:-1])
     q, k, v = (rand(2, 3, 7, 16, grad=True) for _ in range(3))
     out, lse = flash_attention_forward_op(q.detach(), k.detach(), v.detach(), True)
@@ -86,6 +88,8 @@ def _operator_cases(device: str):
         (silu_mul_packed_backward_op, (rand(3, 2, 37), gate_up.detach())),
         (silu_mul_packed_traced_op, (gate_up,)),
         (silu_mul_packed_traced_backward_op, (rand(3, 2, 37), gate_up.detach())),
+        (rope_pair_op, (q_heads, k_heads, positions, cache, 1.0)),
+        (rope_pair_traced_op, (q_heads, k_heads, positions, cache, 1.0)),
     ]
 
 
@@ -93,7 +97,8 @@ OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "ro
              "flash_attention_forward", "flash_attention_backward", "rmsnorm_traced", "rmsnorm_traced_backward",
              "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "rmsnorm_to_fp16", "rmsnorm_traced_to_fp16",
              "silu_mul_packed",
-             "silu_mul_packed_backward", "silu_mul_packed_traced", "silu_mul_packed_traced_backward"]
+             "silu_mul_packed_backward", "silu_mul_packed_traced", "silu_mul_packed_traced_backward", "rope_pair",
+             "rope_pair_traced"]
 
 
 @pytest.mark.parametrize("index", range(len(OPERATORS)), ids=OPERATORS)
@@ -145,8 +150,11 @@ def test_triton_op_bodies_trace_to_one_kernel_node_per_launch(monkeypatch, reque
         (lambda a, b: swiglu_module._forward(a, b, launch=launch_wrapped), (meta(3, 37), meta(3, 37))),
         (lambda dy, a, b: swiglu_module._backward(dy, a, b, launch=launch_wrapped),
          (meta(3, 37), meta(3, 37), meta(3, 37))),
-        (lambda x, pos, cache: rope_module._rotate(x, pos, cache, 1.0, launch=launch_wrapped),
+        (lambda x, pos, cache: rope_module._rotate((x,), pos, cache, 1.0, launch=launch_wrapped),
          (heads, torch.broadcast_to(torch.arange(5, device="meta"), heads.shape[:-1]), cache)),
+        (lambda q, k, pos, cache: rope_module._rotate((q, k), pos, cache, 1.0, launch=launch_wrapped),
+         (heads, torch.empty_strided(heads.shape, heads.stride(), device="meta"),
+          torch.broadcast_to(torch.arange(5, device="meta"), heads.shape[:-1]), cache)),
         (lambda gate_up: swiglu_module._packed_forward(gate_up, launch=launch_wrapped), (meta(3, 74),)),
         (lambda dy, gate_up: swiglu_module._packed_backward(dy, gate_up, False, launch=launch_wrapped),
          (meta(3, 37), meta(3, 74))),

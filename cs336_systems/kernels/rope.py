@@ -18,8 +18,11 @@ its heads; where batch x position blocks give fewer than `MIN_PROGRAMS` programs
 programs too (a small model's call would otherwise leave most SMs idle). Rows are loaded whole (one vectorised
 load) and split into their pairs in registers.
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
-Layers as rmsnorm.py's: reference, kernel, launcher (`_rotate`), the operator `cs336::rope` (its own
-backward, by -t), the eager Function, `rope`.
+Q and K in one launch (`rope_pair`): the model rotates both by the same positions, and at a small model's size a
+call's time is mostly its launch, so the pair takes the same kernel over twice the head groups (the second half
+rotating K).
+Layers as rmsnorm.py's: reference, kernel, launcher (`_rotate`), the operators `cs336::rope` and `cs336::rope_pair`
+(each its own backward, by -t), the eager Function, `rope` and `rope_pair`.
 """
 
 from __future__ import annotations
@@ -58,12 +61,19 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, n_heads, heads_per_program, seq, dim, context,
+    def rope_kernel(x_ptr, y_ptr, pos_ptr, cache_ptr, out_ptr, out_y_ptr, n_heads, heads_per_program, head_groups,
+                    seq, dim, context,
                     stride_xb, stride_xh, stride_xs, stride_ob, stride_oh, stride_os, stride_pb, stride_ph, stride_ps,
-                    SIGN: tl.constexpr, HEADS_SHARE_POS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    SIGN: tl.constexpr, HEADS_SHARE_POS: tl.constexpr, PAIR: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         b = tl.program_id(1).to(tl.int64)
-        first_head = tl.program_id(2) * heads_per_program  # this program's heads: first_head onwards
+        group = tl.program_id(2)
+        if PAIR:  # the second half of the head groups rotates y (K) into out_y, with x's (Q's) strides and positions
+            if group >= head_groups:
+                group -= head_groups
+                x_ptr = y_ptr
+                out_ptr = out_y_ptr
+        first_head = group * heads_per_program  # this program's heads: first_head onwards
         s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         cols = tl.arange(0, BLOCK_D)
         mask = (s[:, None] < seq) & (cols[None, :] < dim)
@@ -116,19 +126,32 @@ def _output_like(x: torch.Tensor) -> torch.Tensor:
     return out.permute(sorted(range(x.dim()), key=order.__getitem__))
 
 
-def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float, launch=launch_plan.launch
-            ) -> torch.Tensor:
-    """Rotate x by sign x the angles of pos (broadcast to x.shape[:-1], typically with stride 0 over heads): the
-    kernel where it runs (`runs_kernel`), the reference maths elsewhere. `launch`: `launch_plan.launch` (eager), or
-    `launch_wrapped` inside a triton_op."""
-    out = _output_like(x)
-    if not runs_kernel(x):
-        cos_sin = torch.stack((cache[0], sign * cache[1]))
-        return out.copy_(rope_reference(x.to(torch.promote_types(x.dtype, cache.dtype)), pos, cos_sin))
+def _pairable(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether one launch rotates x and y: the kernel walks both with x's shape, dtype and strides."""
+    return (x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype and x.device == y.device
+            and x.stride(-1) == 1 and x.dim() <= 4)
 
-    if x.stride(-1) != 1 or x.dim() > 4:
+
+def _rotate(xs: tuple[torch.Tensor, ...], pos: torch.Tensor, cache: torch.Tensor, sign: float,
+            launch=launch_plan.launch) -> tuple[torch.Tensor, ...]:
+    """Rotate each of xs (one tensor, or Q and K) by sign x the angles of pos (broadcast to x.shape[:-1], typically
+    with stride 0 over heads): the kernel where it runs (`runs_kernel`), the reference maths elsewhere; two tensors of
+    one shape and layout in one launch (the model's Q and K: a launch fewer per layer and direction, which is most of
+    a small model's RoPE time, about 9 us a call at small/512 on an H200). `launch`: `launch_plan.launch` (eager), or
+    `launch_wrapped` inside a triton_op."""
+    outs = tuple(_output_like(x) for x in xs)
+    if not runs_kernel(xs[0]):
+        cos_sin = torch.stack((cache[0], sign * cache[1]))
+        return tuple(out.copy_(rope_reference(x.to(torch.promote_types(x.dtype, cache.dtype)), pos, cos_sin))
+                     for x, out in zip(xs, outs))
+    if len(xs) == 2 and not _pairable(*xs):
+        return _rotate(xs[:1], pos, cache, sign, launch) + _rotate(xs[1:], pos, cache, sign, launch)
+
+    x = xs[0]
+    if x.stride(-1) != 1 or x.dim() > 4:  # (a single tensor: a pair is unit-stride and at most 4-D)
         x = x.contiguous()
-    x4, out4 = _as_4d(x), _as_4d(out)
+    x4, out4 = _as_4d(x), _as_4d(outs[0])
+    y4, out_y4 = (_as_4d(xs[1]), _as_4d(outs[1])) if len(xs) == 2 else (x4, out4)
     pos4 = _as_4d(pos[..., None])[..., 0]
     batch, heads, seq, dim = x4.shape
     if x4.numel():
@@ -137,23 +160,24 @@ def _rotate(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
         # Heads split across programs where batch x position blocks alone would leave the GPU idle (small/512:
         # 32 programs walking 12 heads each, 9 us a call at 0.7 TB/s); where there are programs enough, each walks
         # every head and loads its cos/sin once. (sym_min/sym_max: no guard on a traced size.)
-        position_programs = cdiv(seq, block_s) * batch
+        position_programs = cdiv(seq, block_s) * batch * len(xs)
         head_groups = torch.sym_min(heads, torch.sym_max(1, cdiv(MIN_PROGRAMS, position_programs)))
         heads_per_program = cdiv(heads, head_groups)
+        head_groups = cdiv(heads, heads_per_program)
         launch(
-            _kernel(), (cdiv(seq, block_s), batch, cdiv(heads, heads_per_program)),
-            x4, pos4, cache, out4, heads, heads_per_program, seq, dim, cache.shape[1], *x4.stride()[:3],
-            *out4.stride()[:3],
-            *pos4.stride(), SIGN=sign, HEADS_SHARE_POS=bool(heads == 1 or pos4.stride(1) == 0), BLOCK_S=block_s,
+            _kernel(), (cdiv(seq, block_s), batch, head_groups * len(xs)),
+            x4, y4, pos4, cache, out4, out_y4, heads, heads_per_program, head_groups, seq, dim, cache.shape[1],
+            *x4.stride()[:3], *out4.stride()[:3], *pos4.stride(), SIGN=sign,
+            HEADS_SHARE_POS=bool(heads == 1 or pos4.stride(1) == 0), PAIR=len(xs) == 2, BLOCK_S=block_s,
             BLOCK_D=block_d)
-    return out
+    return outs
 
 
-# The registered operator: what torch.compile sees (`compiling`). Its backward is itself, by
-# the opposite angle.
+# The registered operators: what torch.compile sees (`compiling`), for one tensor and for a pair (the model's Q and
+# K, one launch). The backward of each is itself, by the opposite angle.
 @torch.library.custom_op("cs336::rope", mutates_args=())
 def rope_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
-    return _rotate(x, pos, cache.contiguous(), sign)
+    return _rotate((x,), pos, cache.contiguous(), sign)[0]
 
 
 @rope_op.register_fake
@@ -161,8 +185,19 @@ def _(x, pos, cache, sign):
     return _output_like(x)
 
 
+@torch.library.custom_op("cs336::rope_pair", mutates_args=())
+def rope_pair_op(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate((q, k), pos, cache.contiguous(), sign)
+
+
+@rope_pair_op.register_fake
+def _(q, k, pos, cache, sign):
+    return _output_like(q), _output_like(k)
+
+
 def _setup_context(ctx, inputs, output):
-    _, pos, cache, sign = inputs
+    *_, pos, cache, sign = inputs
     ctx.save_for_backward(pos, cache)
     ctx.sign = sign
 
@@ -172,35 +207,51 @@ def _op_backward(ctx, grad_out):
     return rope_op(grad_out, pos, cache, -ctx.sign), None, None, None
 
 
+def _pair_op_backward(ctx, grad_q, grad_k):
+    pos, cache = ctx.saved_tensors
+    return *rope_pair_op(grad_q, grad_k, pos, cache, -ctx.sign), None, None, None
+
+
 rope_op.register_autograd(_op_backward, setup_context=_setup_context)
+rope_pair_op.register_autograd(_pair_op_backward, setup_context=_setup_context)
 
 
-# The same operator as a triton_op (`triton_ops_enabled`; rmsnorm.py's say why).
+# The same operators as triton_ops (`triton_ops_enabled`; rmsnorm.py's say why).
 # Defined only where Triton is installed (torch warns at the definition otherwise).
 if triton_installed():
     @torch.library.triton_op("cs336::rope_traced", mutates_args=())
     def rope_traced_op(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float) -> torch.Tensor:
-        return _rotate(x, pos, cache.contiguous(), sign, launch=launch_wrapped)
+        return _rotate((x,), pos, cache.contiguous(), sign, launch=launch_wrapped)[0]
+
+    @torch.library.triton_op("cs336::rope_pair_traced", mutates_args=())
+    def rope_pair_traced_op(q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, sign: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate((q, k), pos, cache.contiguous(), sign, launch=launch_wrapped)
 
     def _traced_op_backward(ctx, grad_out):
         pos, cache = ctx.saved_tensors
         return rope_traced_op(grad_out, pos, cache, -ctx.sign), None, None, None
 
+    def _traced_pair_op_backward(ctx, grad_q, grad_k):
+        pos, cache = ctx.saved_tensors
+        return *rope_pair_traced_op(grad_q, grad_k, pos, cache, -ctx.sign), None, None, None
+
     rope_traced_op.register_autograd(_traced_op_backward, setup_context=_setup_context)
+    rope_pair_traced_op.register_autograd(_traced_pair_op_backward, setup_context=_setup_context)
 
 
 class RoPEFunction(torch.autograd.Function):
-    """The eager path: the same launcher as the operator, without its dispatch cost."""
+    """The eager path: the same launcher as the operators, without their dispatch cost; one tensor or a pair."""
 
     @staticmethod
-    def forward(ctx, x, pos, cache):
+    def forward(ctx, pos, cache, *xs):
         ctx.save_for_backward(pos, cache)
-        return _rotate(x, pos, cache, 1.0)
+        return _rotate(xs, pos, cache, 1.0)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         pos, cache = ctx.saved_tensors
-        return _rotate(grad_out, pos, cache, -1.0), None, None
+        return None, None, *_rotate(grads, pos, cache, -1.0)
 
 
 _last_checked: tuple | None = None  # (a weak reference to the positions' base tensor, the view's geometry and
@@ -224,19 +275,39 @@ def _check_positions(pos_ids: torch.Tensor, context: int) -> None:
         _last_checked = (weakref.ref(base), seen)
 
 
+def _checked_positions(name: str, xs: tuple[torch.Tensor, ...], pos_ids: torch.Tensor, cache: torch.Tensor
+                       ) -> torch.Tensor:
+    """pos_ids checked against the arguments and broadcast to xs[0].shape[:-1] (a view: no copy, and stride 0 over
+    the heads)."""
+    dim = xs[0].shape[-1]
+    if dim % 2 or cache.dim() != 3 or cache.shape[0] != 2 or cache.shape[2] != dim // 2:
+        raise ValueError(f"{name}: cache must be (2, context, {dim // 2}) for x of last dim {dim} "
+                         f"(even), got {tuple(cache.shape)}")
+    if pos_ids.dtype.is_floating_point:
+        raise TypeError(f"{name}: pos_ids must be integers, got {pos_ids.dtype}")
+    check_operator_device(name, *xs, pos_ids, cache)
+    pos = torch.broadcast_to(pos_ids.to(torch.int64), xs[0].shape[:-1])
+    if pos_ids.numel():
+        _check_positions(pos_ids, cache.shape[1])
+    return pos
+
+
 def rope(x: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """Fused RoPE. x (..., seq, dim) with dim even; pos_ids integer, broadcastable to (..., seq);
     cache (2, context, dim/2): cos and sin, as RotaryEmbedding's `_freq_cis_cache`."""
-    if x.shape[-1] % 2 or cache.dim() != 3 or cache.shape[0] != 2 or cache.shape[2] != x.shape[-1] // 2:
-        raise ValueError(f"rope: cache must be (2, context, {x.shape[-1] // 2}) for x of last dim {x.shape[-1]} "
-                         f"(even), got {tuple(cache.shape)}")
-    if pos_ids.dtype.is_floating_point:
-        raise TypeError(f"rope: pos_ids must be integers, got {pos_ids.dtype}")
-    check_operator_device("rope", x, pos_ids, cache)
-    # One position per (.., seq) row, as a broadcast view: no copy, and stride 0 over the heads.
-    pos = torch.broadcast_to(pos_ids.to(torch.int64), x.shape[:-1])
-    if pos_ids.numel():
-        _check_positions(pos_ids, cache.shape[1])
+    pos = _checked_positions("rope", (x,), pos_ids, cache)
     if compiling():
         return (rope_traced_op if triton_ops_enabled() else rope_op)(x, pos, cache, 1.0)
-    return RoPEFunction.apply(x, pos, cache.contiguous())
+    return RoPEFunction.apply(pos, cache.contiguous(), x)[0]
+
+
+def rope_pair(q: torch.Tensor, k: torch.Tensor, pos_ids: torch.Tensor, cache: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rope(q, pos_ids, cache), rope(k, pos_ids, cache))`, both in one launch where q and k share shape, dtype and
+    layout (the model's Q and K: column blocks of one product), forward and backward."""
+    if q.shape != k.shape:
+        raise ValueError(f"rope_pair: q and k must have one shape, got {tuple(q.shape)} and {tuple(k.shape)}")
+    pos = _checked_positions("rope_pair", (q, k), pos_ids, cache)
+    if compiling():
+        return (rope_pair_traced_op if triton_ops_enabled() else rope_pair_op)(q, k, pos, cache, 1.0)
+    return RoPEFunction.apply(pos, cache.contiguous(), q, k)

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = torch.randn(4, 8, 64, requires_grad=True), torch.randn(4, 8, 64, requires_grad=True)
     # RoPE on the model's head view (batch, heads, seq, d_head), positions shared by the heads.
     heads = torch.randn(4, 8, 2, 32).transpose(1, 2).requires_grad_()
+    q_heads, k_heads = (t.transpose(1, 2) for t in torch.randn(4, 8, 4, 32, requires_grad=True).split(2, dim=2))
     cache = RotaryEmbedding(context_length=16, dim=32)._freq_cis_cache
     positions = torch.arange(8)[None]
     cos, sin = cache[0, :8], cache[1, :8]
@@ -123,10 +124,14 @@ def main(argv: list[str] | None = None) -> int:
         ("silu(a) * b fwd+bwd (torch, CPU maths)", _forward_backward(lambda: F.silu(a) * b)),
         ("rope fwd+bwd (ours, launch stubbed)", _forward_backward(lambda: rope_module.rope(heads, positions, cache))),
         ("rope fwd+bwd (torch, CPU maths)", _forward_backward(lambda: _torch_rope(heads, cos, sin))),
+        ("rope of Q and K fwd+bwd: two calls (ours)", _forward_backward(
+            lambda: rope_module.rope(q_heads, positions, cache) + rope_module.rope(k_heads, positions, cache))),
+        ("rope of Q and K fwd+bwd: rope_pair (ours)", _forward_backward(
+            lambda: sum(rope_module.rope_pair(q_heads, k_heads, positions, cache)))),
     ]
     print(f"median us per call, {args.repeats} x {args.calls} calls, torch {torch.__version__}")
     for name, fn in cases:
-        print(f"{name:42} {statistics.median(per_call_us(fn, args.calls, args.repeats)):8.2f}")
+        print(f"{name:44} {statistics.median(per_call_us(fn, args.calls, args.repeats)):8.2f}")
     return 0
 
 

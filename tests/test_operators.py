@@ -378,7 +378,7 @@ def test_operator_host_overhead_script_runs():
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 13 and all(float(line.split()[-1]) > 0 for line in lines[1:])
+    assert len(lines) == 15 and all(float(line.split()[-1]) > 0 for line in lines[1:])
     bad = subprocess.run([sys.executable, str(script), "--calls", "0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--calls" in bad.stderr
 

@@ -105,25 +105,54 @@ def _kernel():
     return rope_kernel
 
 
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, seq, dim) view of (..., seq, dim): a view for 2-4 dims, a reshape beyond."""
-    if t.dim() == 2:
-        return t[None, None]
-    if t.dim() == 3:
-        return t[:, None]
-    return t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])
+def _dense_strides(shape, stride) -> tuple:
+    """Strides of the output buffer: dense, in x's order of dims (the model's head view (batch, heads, seq, dim) of a
+    (batch, seq, heads * dim) product: attention then reads the same layout, and gradients flow back without copies),
+    also where x has gaps (a column block of a merged Q/K/V product, `fused_model.merged_projection`); contiguous
+    where x has no unit stride along dim or more than 4 dims."""
+    dims = range(len(shape))
+    order = (sorted(dims, key=lambda i: (-stride[i], i)) if stride[-1] == 1 and len(shape) <= 4
+             else list(dims))  # outermost first (empty_like's, for dense x)
+    strides, step = [0] * len(shape), 1
+    for i in reversed(order):
+        strides[i], step = step, step * shape[i]
+    return tuple(strides)
 
 
 def _output_like(x: torch.Tensor) -> torch.Tensor:
-    """The output buffer: dense, in x's order of dims (the model's head view (batch, heads, seq, dim) of a
-    (batch, seq, heads * dim) product: attention then reads the same layout, and gradients flow back without copies),
-    also where x has gaps (a column block of a merged Q/K/V product, `fused_model.merged_projection`); contiguous
-    where x has no unit stride along dim."""
-    if x.stride(-1) != 1 or x.dim() > 4:  # beyond 4-D the (batch, heads) merge must be a view of out too
-        return torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))  # outermost first (empty_like's, for dense x)
-    out = torch.empty([x.shape[i] for i in order], device=x.device, dtype=x.dtype)
-    return out.permute(sorted(range(x.dim()), key=order.__getitem__))
+    return torch.empty_strided(x.shape, _dense_strides(x.shape, x.stride()), device=x.device, dtype=x.dtype)
+
+
+def _as_3d(values, fill) -> tuple:
+    """(batch, heads, seq) of a tensor's trailing sizes or strides before dim (2-4 dims of x): a missing leading dim
+    takes `fill` (size 1, or stride 0)."""
+    return (fill,) * (3 - len(values)) + tuple(values)
+
+
+def _geometry(shape, x_stride, pos_stride, tensors: int) -> tuple[tuple, tuple, dict]:
+    """For x of `shape` (2-4 dims, unit stride along dim) and x_stride, positions broadcast to shape[:-1] with
+    pos_stride, `tensors` (1 or 2) rotated: (the grid, the kernel's integer arguments, its constexprs)."""
+    batch, heads, seq = _as_3d(shape[:-1], 1)
+    dim = shape[-1]
+    out_stride = _dense_strides(shape, x_stride)
+    block_d = max(2, next_power_of_2(int(dim)))  # (constexprs: a traced head dim is specialised on)
+    block_s = max(1, TILE_ELEMENTS // block_d)
+    # Heads split across programs where batch x position blocks alone would leave the GPU idle (small/512:
+    # 32 programs walking 12 heads each, 9 us a call at 0.7 TB/s); where there are programs enough, each walks
+    # every head and loads its cos/sin once. (sym_min/sym_max: no guard on a traced size.)
+    position_programs = cdiv(seq, block_s) * batch * tensors
+    head_groups = torch.sym_min(heads, torch.sym_max(1, cdiv(MIN_PROGRAMS, position_programs)))
+    heads_per_program = cdiv(heads, head_groups)
+    head_groups = cdiv(heads, heads_per_program)
+    pos3 = _as_3d(pos_stride, 0)
+    ints = (heads, heads_per_program, head_groups, seq, dim, *_as_3d(x_stride[:-1], 0),
+            *_as_3d(out_stride[:-1], 0), *pos3)
+    constexprs = dict(HEADS_SHARE_POS=bool(heads == 1 or pos3[1] == 0), PAIR=tensors == 2, BLOCK_S=block_s,
+                      BLOCK_D=block_d)
+    return (cdiv(seq, block_s), batch, head_groups * tensors), ints, constexprs
+
+
+_eager_geometry = functools.lru_cache(maxsize=256)(_geometry)  # (eager calls: a handful of signatures per model)
 
 
 def _pairable(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -138,39 +167,34 @@ def _rotate(xs: tuple[torch.Tensor, ...], pos: torch.Tensor, cache: torch.Tensor
     with stride 0 over heads): the kernel where it runs (`runs_kernel`), the reference maths elsewhere; two tensors of
     one shape and layout in one launch (the model's Q and K: a launch fewer per layer and direction, which is most of
     a small model's RoPE time, about 9 us a call at small/512 on an H200). `launch`: `launch_plan.launch` (eager), or
-    `launch_wrapped` inside a triton_op."""
-    outs = tuple(_output_like(x) for x in xs)
-    if not runs_kernel(xs[0]):
+    `launch_wrapped` inside a triton_op. Eagerly the launch's geometry is cached per signature (the host time of a
+    call is a small model's step time)."""
+    x = xs[0]
+    if not runs_kernel(x):
         cos_sin = torch.stack((cache[0], sign * cache[1]))
-        return tuple(out.copy_(rope_reference(x.to(torch.promote_types(x.dtype, cache.dtype)), pos, cos_sin))
-                     for x, out in zip(xs, outs))
+        return tuple(_output_like(t).copy_(rope_reference(t.to(torch.promote_types(t.dtype, cache.dtype)), pos,
+                                                          cos_sin)) for t in xs)
     if len(xs) == 2 and not _pairable(*xs):
         return _rotate(xs[:1], pos, cache, sign, launch) + _rotate(xs[1:], pos, cache, sign, launch)
-
-    x = xs[0]
     if x.stride(-1) != 1 or x.dim() > 4:  # (a single tensor: a pair is unit-stride and at most 4-D)
-        x = x.contiguous()
-    x4, out4 = _as_4d(x), _as_4d(outs[0])
-    y4, out_y4 = (_as_4d(xs[1]), _as_4d(outs[1])) if len(xs) == 2 else (x4, out4)
-    pos4 = _as_4d(pos[..., None])[..., 0]
-    batch, heads, seq, dim = x4.shape
-    if x4.numel():
-        block_d = max(2, next_power_of_2(int(dim)))  # (constexprs: a traced head dim is specialised on)
-        block_s = max(1, TILE_ELEMENTS // block_d)
-        # Heads split across programs where batch x position blocks alone would leave the GPU idle (small/512:
-        # 32 programs walking 12 heads each, 9 us a call at 0.7 TB/s); where there are programs enough, each walks
-        # every head and loads its cos/sin once. (sym_min/sym_max: no guard on a traced size.)
-        position_programs = cdiv(seq, block_s) * batch * len(xs)
-        head_groups = torch.sym_min(heads, torch.sym_max(1, cdiv(MIN_PROGRAMS, position_programs)))
-        heads_per_program = cdiv(heads, head_groups)
-        head_groups = cdiv(heads, heads_per_program)
-        launch(
-            _kernel(), (cdiv(seq, block_s), batch, head_groups * len(xs)),
-            x4, y4, pos4, cache, out4, out_y4, heads, heads_per_program, head_groups, seq, dim, cache.shape[1],
-            *x4.stride()[:3], *out4.stride()[:3], *pos4.stride(), SIGN=sign,
-            HEADS_SHARE_POS=bool(heads == 1 or pos4.stride(1) == 0), PAIR=len(xs) == 2, BLOCK_S=block_s,
-            BLOCK_D=block_d)
+        shape = x.shape
+        x = x.contiguous().reshape(-1, *shape[-3:]) if x.dim() > 4 else x.contiguous()
+        pos = pos.reshape(-1, *pos.shape[-2:]) if pos.dim() > 3 else pos
+        return (_rotate((x,), pos, cache, sign, launch)[0].reshape(shape),)
+
+    shape, stride, pos_stride = tuple(x.shape), tuple(x.stride()), tuple(pos.stride())
+    # (cached for plain integers only: a traced call's symbolic sizes cannot be hashed)
+    concrete = all(type(value) is int for value in (*shape, *stride, *pos_stride))
+    grid, ints, constexprs = (_eager_geometry if concrete else _geometry)(shape, stride, pos_stride, len(xs))
+    out_stride = (_eager_dense_strides if concrete else _dense_strides)(shape, stride)
+    outs = tuple(torch.empty_strided(x.shape, out_stride, device=x.device, dtype=x.dtype) for _ in xs)
+    if x.numel():
+        launch(_kernel(), grid, x, xs[-1], pos, cache, outs[0], outs[-1], *ints[:5], cache.shape[1], *ints[5:],
+               SIGN=sign, **constexprs)
     return outs
+
+
+_eager_dense_strides = functools.lru_cache(maxsize=256)(_dense_strides)
 
 
 # The registered operators: what torch.compile sees (`compiling`), for one tensor and for a pair (the model's Q and

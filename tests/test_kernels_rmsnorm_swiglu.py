@@ -43,6 +43,26 @@ def test_rmsnorm_matches_reference(shape, dtype):
         assert_within_budget(name, g, r, lo)
 
 
+@pytest.mark.parametrize("programs,step_rows", [(1, 8), (3, 4), (7, 1), (256, 4)])
+def test_rmsnorm_backward_takes_every_row_once_over_programs_and_steps(programs, step_rows, monkeypatch):
+    """The backward's programs each take a contiguous run of rows, several a step: 51 rows over 1, 3, 7 or 256
+    programs (runs of 51, 17, 8 (the last 3) and 1 rows) in steps of 8, 4 or 1 rows (partial last steps) give dx and
+    dw as the fp64 reference does."""
+    import cs336_systems.kernels.rmsnorm as rmsnorm_module
+
+    monkeypatch.setattr(rmsnorm_module, "DW_PROGRAMS", programs)
+    monkeypatch.setattr(rmsnorm_module, "STEP_ELEMENTS", step_rows * 128)  # a 100-wide row is 128 in the kernel
+    device = kernel_device()
+    torch.manual_seed(3)
+    x = torch.randn(3, 17, 100, device=device) * 2
+    w = torch.rand(100, device=device) + 0.5
+    dy = torch.randn(3, 17, 100, device=device)
+    ref, (ref_dx, ref_dw) = _grads(lambda a, b: rmsnorm_reference(a, b), x.double(), w.double(), grad_out=dy.double())
+    ours, (dx, dw) = _grads(lambda a, b: rmsnorm(a, b), x, w, grad_out=dy)
+    torch.testing.assert_close(dx.double(), ref_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw.double(), ref_dw, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
 def test_rmsnorm_out_dtype_rounds_the_fp32_result_once(out_dtype):
     """out_dtype: the result is the fp32 norm rounded once to that dtype (what a cast after an fp32 RMSNorm gives),

@@ -309,11 +309,11 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # and the baseline in 3 interleaved rounds each (--rounds: the host's drift weighs on both alike). First the
       # GPU tests of RoPE's Q/K pair (one launch for both; the seventeenth session), RMSNorm's backward (rows taken
       # several a step) and the compiled model over them.
-      gpu_tests session39 150 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
+      gpu_tests session39 120 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
         -k "rope or rmsnorm or opcheck_kernels or compiles_with_the_kernels or cuda_graph"
       python3 -m cs336_systems.bench fused-ops --op rmsnorm --tokens 2048,32768 --width 768,4096 \
         --provider ours,torch --no-progress --results-dir "$R" 2>&1 | tail -10
-      timeout 120 python3 -m cs336_systems.bench attention-tune --compile-workers 4 --shape 4x12x512x64,4x12x2048x64 \
+      timeout 90 python3 -m cs336_systems.bench attention-tune --compile-workers 4 --shape 4x12x512x64,4x12x2048x64 \
         --kernel forward-gluon-late,forward-gluon-ws,fused-gluon-ws,dkdv-gluon-kv,dq-gluon --no-progress \
         --results-dir "$R" 2>&1 | grep -v Warning | tail -8
       every_size 330 512 off,on,reduce-overhead --rounds 3

@@ -303,20 +303,20 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
       ;;
     session39)
-      # For the next session's H200 (~8 min): the d 64 forward's tiles at the model's own shapes (the default moved to
-      # 64 x 64 for keys <= 4096 in the sixteenth session, measured at 4x32x4096x64 only), then every size at ctx 512
+      # For the next session's H200 (~9 min): every size at ctx 512
       # in the three modes at today's code (issue 32's table on its card; the warm-up by time's first GPU run), ours
       # and the baseline in 3 interleaved rounds each (--rounds: the host's drift weighs on both alike). First the
       # GPU tests of RoPE's Q/K pair (one launch for both; the seventeenth session), RMSNorm's backward (rows taken
-      # several a step) and the compiled model over them.
+      # several a step) and the compiled model over them; last, the d 64 forward's tiles at the model's own shapes (the
+      # default moved to 64 x 64 for keys <= 4096 in the sixteenth session, measured at 4x32x4096x64 only).
       gpu_tests session39 120 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
         -k "rope or rmsnorm or opcheck_kernels or compiles_with_the_kernels or cuda_graph"
       python3 -m cs336_systems.bench fused-ops --op rmsnorm --tokens 2048,32768 --width 768,4096 \
         --provider ours,torch --no-progress --results-dir "$R" 2>&1 | tail -10
+      every_size 330 512 off,on,reduce-overhead --rounds 3
       timeout 90 python3 -m cs336_systems.bench attention-tune --compile-workers 4 --shape 4x12x512x64,4x12x2048x64 \
         --kernel forward-gluon-late,forward-gluon-ws,fused-gluon-ws,dkdv-gluon-kv,dq-gluon --no-progress \
         --results-dir "$R" 2>&1 | grep -v Warning | tail -8
-      every_size 330 512 off,on,reduce-overhead --rounds 3
       ;;
     session40)
       # The next session's second H200 call (~8 min): the attention tests the sixteenth session's last changes touched

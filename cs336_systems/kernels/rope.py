@@ -129,9 +129,10 @@ def _as_3d(values, fill) -> tuple:
     return (fill,) * (3 - len(values)) + tuple(values)
 
 
-def _geometry(shape, x_stride, pos_stride, tensors: int) -> tuple[tuple, tuple, dict]:
+def _geometry(shape, x_stride, pos_stride, context: int, tensors: int) -> tuple[tuple, tuple, tuple, dict]:
     """For x of `shape` (2-4 dims, unit stride along dim) and x_stride, positions broadcast to shape[:-1] with
-    pos_stride, `tensors` (1 or 2) rotated: (the grid, the kernel's integer arguments, its constexprs)."""
+    pos_stride, a cache of `context` positions, `tensors` (1 or 2) rotated: (the outputs' strides, the grid, the
+    kernel's integer arguments, its constexprs)."""
     batch, heads, seq = _as_3d(shape[:-1], 1)
     dim = shape[-1]
     out_stride = _dense_strides(shape, x_stride)
@@ -145,11 +146,11 @@ def _geometry(shape, x_stride, pos_stride, tensors: int) -> tuple[tuple, tuple, 
     heads_per_program = cdiv(heads, head_groups)
     head_groups = cdiv(heads, heads_per_program)
     pos3 = _as_3d(pos_stride, 0)
-    ints = (heads, heads_per_program, head_groups, seq, dim, *_as_3d(x_stride[:-1], 0),
+    ints = (heads, heads_per_program, head_groups, seq, dim, context, *_as_3d(x_stride[:-1], 0),
             *_as_3d(out_stride[:-1], 0), *pos3)
     constexprs = dict(HEADS_SHARE_POS=bool(heads == 1 or pos3[1] == 0), PAIR=tensors == 2, BLOCK_S=block_s,
                       BLOCK_D=block_d)
-    return (cdiv(seq, block_s), batch, head_groups * tensors), ints, constexprs
+    return out_stride, (cdiv(seq, block_s), batch, head_groups * tensors), ints, constexprs
 
 
 _eager_geometry = functools.lru_cache(maxsize=256)(_geometry)  # (eager calls: a handful of signatures per model)
@@ -185,16 +186,12 @@ def _rotate(xs: tuple[torch.Tensor, ...], pos: torch.Tensor, cache: torch.Tensor
     shape, stride, pos_stride = tuple(x.shape), tuple(x.stride()), tuple(pos.stride())
     # (cached for plain integers only: a traced call's symbolic sizes cannot be hashed)
     concrete = all(type(value) is int for value in (*shape, *stride, *pos_stride))
-    grid, ints, constexprs = (_eager_geometry if concrete else _geometry)(shape, stride, pos_stride, len(xs))
-    out_stride = (_eager_dense_strides if concrete else _dense_strides)(shape, stride)
+    out_stride, grid, ints, constexprs = (_eager_geometry if concrete else _geometry)(
+        shape, stride, pos_stride, cache.shape[1], len(xs))
     outs = tuple(torch.empty_strided(x.shape, out_stride, device=x.device, dtype=x.dtype) for _ in xs)
     if x.numel():
-        launch(_kernel(), grid, x, xs[-1], pos, cache, outs[0], outs[-1], *ints[:5], cache.shape[1], *ints[5:],
-               SIGN=sign, **constexprs)
+        launch(_kernel(), grid, x, xs[-1], pos, cache, outs[0], outs[-1], *ints, SIGN=sign, **constexprs)
     return outs
-
-
-_eager_dense_strides = functools.lru_cache(maxsize=256)(_dense_strides)
 
 
 # The registered operators: what torch.compile sees (`compiling`), for one tensor and for a pair (the model's Q and

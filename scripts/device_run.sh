@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -301,6 +301,14 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session27 120 tests/test_weight_copies.py tests/test_kernels_adamw.py tests/test_operators.py \
         -k "copies or adamw or compiles_with_the_kernels or cuda_graph or one_product"
       every_size 420 512 off,on,reduce-overhead --weight-copies on,off
+      ;;
+    session42)
+      # The shortest cut (~4.5 min), for a call with little device time left: the GPU tests of RoPE's Q/K pair and
+      # RMSNorm's backward (both in the default fused model since the seventeenth session, never yet run on a GPU),
+      # then every size at ctx 512 eagerly and as CUDA graphs (the rows come back as the sweep goes).
+      gpu_tests session42 110 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py \
+        -k "rope or rmsnorm or opcheck_kernels or compiles_with_the_kernels or cuda_graph"
+      every_size 150 512 off,reduce-overhead
       ;;
     session41)
       # session39 cut to what fits the last minutes of a session (~6 min): the GPU tests of RoPE's Q/K pair and RMSNorm's

@@ -2,6 +2,7 @@
 the command-line tools start and explain themselves without Triton installed."""
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -81,12 +82,29 @@ def test_a_triton_option_without_triton_stops_before_work_naming_the_install(tmp
               "--provider triton-fused-bwd needs Triton"),
              (["attention-tune", "--device", "cpu"], "the attention-tune suite needs Triton"),
              (["leaderboard", "--preset", "tiny", "--device", "cpu", "--fused", "on"], "--fused needs Triton")]
-    for args, message in cases:
-        result = _without_triton(*args, "--results-dir", str(tmp_path / "runs"), cwd=tmp_path)
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1, (args, result.stderr[-2000:])
+    # All cases in one interpreter without Triton (each start imports torch); a JSON line per case: exit code, stderr.
+    driver = ("import contextlib, io, json, sys; sys.modules['triton'] = None\n"
+              "from cs336_systems.bench.cli import main\n"
+              "for args in json.loads(sys.argv[1]):\n"
+              "    printed = io.StringIO()\n"
+              "    with contextlib.redirect_stderr(printed):\n"
+              "        try:\n"
+              "            code = main(args)\n"
+              "        except SystemExit as exit_:\n"
+              "            code = exit_.code\n"
+              "    print(json.dumps([code, printed.getvalue()]))\n")
+    runs = tmp_path / "runs"
+    argv = [[*args, "--results-dir", str(runs)] for args, _ in cases]
+    result = subprocess.run([sys.executable, "-c", driver, json.dumps(argv)], capture_output=True, text=True,
+                            cwd=tmp_path, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(outcomes) == len(cases), result.stdout[-2000:]
+    for (args, message), (code, stderr) in zip(cases, outcomes):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (args, stderr[-2000:])
         assert message in lines[0] and "pip install 'triton" in lines[0], lines
-        assert not (tmp_path / "runs").exists()  # nothing ran
+    assert not runs.exists()  # nothing ran
 
 
 def test_attention_by_name_without_triton_says_what_to_install():

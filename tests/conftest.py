@@ -22,20 +22,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _session_pycache: str | None = None
+_users_setting: str | None = None  # PYTHONDONTWRITEBYTECODE as found, put back at the end
 
 
 def pytest_configure(config):
-    global _session_pycache
+    global _session_pycache, _users_setting
     if os.environ.get("PYTHONDONTWRITEBYTECODE") and not os.environ.get("PYTHONPYCACHEPREFIX"):
         _session_pycache = tempfile.mkdtemp(prefix="cs336-test-pycache-")
-        os.environ.pop("PYTHONDONTWRITEBYTECODE")
+        _users_setting = os.environ.pop("PYTHONDONTWRITEBYTECODE")
         os.environ["PYTHONPYCACHEPREFIX"] = _session_pycache
 
 
 def pytest_unconfigure(config):
     global _session_pycache
     if _session_pycache is not None:
-        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        os.environ["PYTHONDONTWRITEBYTECODE"] = _users_setting
         os.environ.pop("PYTHONPYCACHEPREFIX", None)
         shutil.rmtree(_session_pycache, ignore_errors=True)
         _session_pycache = None

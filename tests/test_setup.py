@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scripts.readme_commands import setup_commands
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,3 +146,17 @@ def test_results_dir_naming_a_file_is_refused_before_any_work(tmp_path):
                             timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 2 and f"--results-dir: '{kept}' is a file" in result.stderr
     assert "Traceback" not in result.stderr and kept.read_text() == "the user's file"
+
+
+def test_child_processes_share_the_sessions_bytecode_cache_where_writing_it_is_off(tmp_path):
+    """Where PYTHONDONTWRITEBYTECODE is set (conftest.py), a child's bytecode goes to the session's own cache, not
+    beside the sources: so the suite's hundreds of children compile torch once, and nothing lands in the user's tree."""
+    conftest = sys.modules.get("tests.conftest") or sys.modules["conftest"]
+    if conftest._session_pycache is None:
+        pytest.skip("PYTHONDONTWRITEBYTECODE is not set here (or PYTHONPYCACHEPREFIX is): children write as usual")
+    assert os.environ["PYTHONPYCACHEPREFIX"] == conftest._session_pycache
+    assert "PYTHONDONTWRITEBYTECODE" not in os.environ
+    (tmp_path / "probe_module.py").write_text("VALUE = 1\n")
+    subprocess.run([sys.executable, "-c", "import probe_module"], cwd=tmp_path, check=True, timeout=60)
+    assert not (tmp_path / "__pycache__").exists()
+    assert list(Path(conftest._session_pycache).rglob("probe_module*.pyc"))

@@ -16,14 +16,32 @@ import pytest
 from scripts.readme_commands import setup_commands
 
 ROOT = Path(__file__).resolve().parents[1]
-# Runs a CLI `main` in a fresh interpreter in which `import triton` fails, as on a machine with torch's CPU build.
-WITHOUT_TRITON = ("import sys; sys.modules['triton'] = None; from cs336_systems.bench.cli import main; "
-                  "sys.exit(main(sys.argv[1:]))")
+# Runs the CLI's `main` once per argument list, in one fresh interpreter in which `import triton` fails (as on a
+# machine with torch's CPU build; one process for all: each start imports torch). A JSON line per run: the exit code,
+# what it printed to stdout and to stderr.
+WITHOUT_TRITON = """\
+import contextlib, io, json, sys
+sys.modules['triton'] = None
+from cs336_systems.bench.cli import main
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exit_:
+            code = exit_.code
+    print(json.dumps([code, out.getvalue(), err.getvalue()]))
+"""
 
 
-def _without_triton(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WITHOUT_TRITON, *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def _each_without_triton(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of `cs336-bench ARGS` for each of `argvs`, in one Triton-less interpreter."""
+    result = subprocess.run([sys.executable, "-c", WITHOUT_TRITON, json.dumps(argvs)], capture_output=True, text=True,
+                            cwd=cwd, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    outcomes = [tuple(json.loads(line)) for line in result.stdout.splitlines()]
+    assert len(outcomes) == len(argvs), result.stdout[-2000:]
+    return outcomes
 
 
 def test_readme_states_two_commands_and_ci_runs_exactly_them():
@@ -50,30 +68,15 @@ def test_readme_command_1_main_job_prints_its_table(tmp_path):
     assert (tmp_path / "runs" / "model.jsonl").stat().st_size > 0
 
 
-# Every command's --help in one interpreter without Triton (one process, not one per suite: each start imports torch),
-# a line per command: its arguments, exit code, and whether the usage text was printed.
-HELP_OF_EVERY_COMMAND = (
-    "import contextlib, io, sys; sys.modules['triton'] = None\n"
-    "from cs336_systems.bench.cli import SUITES, main\n"
-    "for args in ([], *([suite] for suite in SUITES)):\n"
-    "    printed = io.StringIO()\n"
-    "    with contextlib.redirect_stdout(printed):\n"
-    "        try:\n"
-    "            code = main([*args, '--help'])\n"
-    "        except SystemExit as exit_:\n"
-    "            code = exit_.code\n"
-    "    print(' '.join(args) or '-', code, 'usage: cs336-bench' in printed.getvalue())\n")
-
-
 def test_cli_help_and_the_main_job_run_without_triton(tmp_path):
     from cs336_systems.bench.cli import SUITES
 
-    result = subprocess.run([sys.executable, "-c", HELP_OF_EVERY_COMMAND], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines() == [f"{name} 0 True" for name in ("-", *SUITES)], result.stdout
-    result = _without_triton("model", "--preset", "tiny", "--device", "cpu", cwd=tmp_path)
-    assert result.returncode == 0 and re.search(r"\|\s+time ms\s+\|", result.stdout), result.stderr[-2000:]
+    helps = [[*suite, "--help"] for suite in ([], *([name] for name in SUITES))]
+    *help_runs, (code, stdout, stderr) = _each_without_triton(
+        [*helps, ["model", "--preset", "tiny", "--device", "cpu"]], cwd=tmp_path)
+    for args, (help_code, help_text, help_errors) in zip(helps, help_runs):
+        assert help_code == 0 and "usage: cs336-bench" in help_text, (args, help_errors[-2000:])
+    assert code == 0 and re.search(r"\|\s+time ms\s+\|", stdout), stderr[-2000:]
 
 
 def test_a_triton_option_without_triton_stops_before_work_naming_the_install(tmp_path):
@@ -84,25 +87,9 @@ def test_a_triton_option_without_triton_stops_before_work_naming_the_install(tmp
               "--provider triton-fused-bwd needs Triton"),
              (["attention-tune", "--device", "cpu"], "the attention-tune suite needs Triton"),
              (["leaderboard", "--preset", "tiny", "--device", "cpu", "--fused", "on"], "--fused needs Triton")]
-    # All cases in one interpreter without Triton (each start imports torch); a JSON line per case: exit code, stderr.
-    driver = ("import contextlib, io, json, sys; sys.modules['triton'] = None\n"
-              "from cs336_systems.bench.cli import main\n"
-              "for args in json.loads(sys.argv[1]):\n"
-              "    printed = io.StringIO()\n"
-              "    with contextlib.redirect_stderr(printed):\n"
-              "        try:\n"
-              "            code = main(args)\n"
-              "        except SystemExit as exit_:\n"
-              "            code = exit_.code\n"
-              "    print(json.dumps([code, printed.getvalue()]))\n")
     runs = tmp_path / "runs"
-    argv = [[*args, "--results-dir", str(runs)] for args, _ in cases]
-    result = subprocess.run([sys.executable, "-c", driver, json.dumps(argv)], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-2000:]
-    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("[")]
-    assert len(outcomes) == len(cases), result.stdout[-2000:]
-    for (args, message), (code, stderr) in zip(cases, outcomes):
+    outcomes = _each_without_triton([[*args, "--results-dir", str(runs)] for args, _ in cases], cwd=tmp_path)
+    for (args, message), (code, _, stderr) in zip(cases, outcomes):
         lines = stderr.strip().splitlines()
         assert code == 2 and len(lines) == 1, (args, stderr[-2000:])
         assert message in lines[0] and "pip install 'triton" in lines[0], lines

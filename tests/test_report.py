@@ -72,6 +72,32 @@ def test_leaderboard_paragraph_is_computed_from_the_run(tmp_path):
     text = _report_from(tmp_path, "leaderboard", rows)
     assert "1.204x the baseline's speed" in text and "4.9 s per step: the target of 5.0 s is met" in text
     assert "ceiling measured in this run: 777 TFLOP/s" in text
+    assert "the target of 5.0 s is met, that of 4.0 s is not met" in text
+    assert "A floor for the step" not in text  # no attention rows at the step's shape: no bound
+
+
+def test_leaderboard_floor_adds_the_dense_products_at_the_ceiling_to_each_layers_attention(tmp_path):
+    """The bound: 3 x the dense forward FLOPs at the run's ceiling, plus num_layers x the attention's fwd+bwd time
+    at the step's shape on the same card (cuDNN's beside ours only when timed in the same run)."""
+    from cs336_systems.config import ModelConfig
+    from cs336_systems.profiling.flops import lm_flops
+
+    cfg = ModelConfig.from_name("leaderboard-8b")
+    lb = dict(preset="leaderboard-8b", context=32768, checkpoint="none")
+    rows = [_row("leaderboard", "ours", "step_time", 4500.0, **lb),
+            _row("leaderboard", "suite", "matmul_ceiling", 700.0, **lb)]
+    shape = dict(batch=1, heads=32, seq=32768, d=128, dtype="bf16", causal=True)
+    attention = [*_attention_rows("triton", 50.0, **shape), *_attention_rows("sdpa-cudnn", 40.0, **shape),
+                 *_attention_rows("triton", 1.0, **(shape | dict(seq=4096)))]  # another shape: not used
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "attention.jsonl").write_text("".join(json.dumps(r) + "\n" for r in attention))
+    text = _report_from(tmp_path, "leaderboard", rows)
+    dense = 3 * lm_flops(cfg, 1, 32768).dense_forward / 700e12 * 1e3
+    assert f"matmul ceiling take {dense:.0f} ms" in text
+    assert "34 layers of our attention forward and backward at 1x32x32768x128" in text
+    assert f"{34 * 50.0:.0f} ms: {dense + 34 * 50.0:.0f} ms before any recompute" in text
+    assert f"with cuDNN's attention, timed in the same run, {dense + 34 * 40.0:.0f} ms" in text
 
 
 def test_flash_sweep_figure_covers_every_head_dim_and_dtype(tmp_path):

@@ -565,3 +565,25 @@ def test_rope_checks_each_positions_tensor_once(monkeypatch):
     base.mul_(1)  # in place through the base: a new version for every view of it
     rope_module.rope(x, base[1:6].unsqueeze(0), cache)
     assert len(checks) == 3
+
+
+def test_pointwise_kernels_compile_for_hopper_without_spills():
+    """scripts/pointwise_sass_check.py builds RoPE (one tensor and the Q/K pair) and RMSNorm forward and backward
+    for sm_90 on any machine, at every head dim and width of the presets, and finds no local memory in any: what
+    ptxas makes of the kernels where no GPU runs them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, str(root / "scripts" / "pointwise_sass_check.py")], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert sum(line.startswith("rope d ") and "pair=True" in line for line in lines) >= 2  # the pair, per head dim
+    assert sum(line.startswith("rmsnorm backward width 768 (4 rows a step)") for line in lines) == 1
+    assert all(line.endswith("no local memory") for line in lines), done.stdout

@@ -53,11 +53,9 @@ def cases(dtype: str):
                      "dw_partial_ptr": "*fp32", "eps": "fp32"}
     for width in widths:
         block_d = rmsnorm._block_d(width)
-        rows = max(1, min(rmsnorm.MAX_STEP_ROWS, rmsnorm.STEP_ELEMENTS // block_d))
-        yield (f"rmsnorm forward width {width}", forward_kernel, norm_pointers, dict(BLOCK_D=block_d),
-               rmsnorm._num_warps(block_d))
-        yield (f"rmsnorm backward width {width} ({rows} rows a step)", backward_kernel, norm_pointers,
-               dict(BLOCK_D=block_d, ROWS=rows), rmsnorm._num_warps(block_d * rows))
+        for direction, kernel in (("forward", forward_kernel), ("backward", backward_kernel)):
+            yield (f"rmsnorm {direction} width {width}", kernel, norm_pointers, dict(BLOCK_D=block_d),
+                   rmsnorm._num_warps(block_d))
 
 
 def main(argv=None) -> int:

@@ -43,15 +43,13 @@ def test_rmsnorm_matches_reference(shape, dtype):
         assert_within_budget(name, g, r, lo)
 
 
-@pytest.mark.parametrize("programs,step_rows", [(1, 8), (3, 4), (7, 1), (256, 4)])
-def test_rmsnorm_backward_takes_every_row_once_over_programs_and_steps(programs, step_rows, monkeypatch):
-    """The backward's programs each take a contiguous run of rows, several a step: 51 rows over 1, 3, 7 or 256
-    programs (runs of 51, 17, 8 (the last 3) and 1 rows) in steps of 8, 4 or 1 rows (partial last steps) give dx and
-    dw as the fp64 reference does."""
+@pytest.mark.parametrize("programs", [1, 3, 7, 256])
+def test_rmsnorm_backward_takes_every_row_once_over_programs(programs, monkeypatch):
+    """The backward's programs each take a strided set of rows and a partial dW: 51 rows over 1, 3, 7 or 256
+    programs (51, 17, 8 or 7, and 1 or no rows each) give dx and dw as the fp64 reference does."""
     import cs336_systems.kernels.rmsnorm as rmsnorm_module
 
     monkeypatch.setattr(rmsnorm_module, "DW_PROGRAMS", programs)
-    monkeypatch.setattr(rmsnorm_module, "STEP_ELEMENTS", step_rows * 128)  # a 100-wide row is 128 in the kernel
     device = kernel_device()
     torch.manual_seed(3)
     x = torch.randn(3, 17, 100, device=device) * 2
@@ -585,5 +583,5 @@ def test_pointwise_kernels_compile_for_hopper_without_spills():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert sum(line.startswith("rope d ") and "pair=True" in line for line in lines) >= 2  # the pair, per head dim
-    assert sum(line.startswith("rmsnorm backward width 768 (4 rows a step)") for line in lines) == 1
+    assert sum(line.startswith("rmsnorm backward width 768") for line in lines) == 1
     assert all(line.endswith("no local memory") for line in lines), done.stdout

@@ -10,9 +10,10 @@ x (in its own dtype) and one fp32 rstd per row for backward.
 Layout: one program per row (rows = all leading dims), the whole row in registers
 (BLOCK_D = next power of two >= d: fine up to d = 16k). Backward, per row:
     x_hat = x * rstd,   g = dy * w,   dx = rstd * (g - x_hat * mean(g * x_hat)),
-and dw = sum over rows of dy * x_hat, accumulated per program in fp32 over a contiguous run of rows (taken
-several rows a step, so a step's loads overlap) into a (programs, d) buffer that one torch sum reduces
-(deterministic, no atomics).
+and dw = sum over rows of dy * x_hat, accumulated per program in fp32 over a strided set of
+rows into a (programs, d) buffer that one torch sum reduces (deterministic, no atomics). (Contiguous runs of rows
+taken several a step, 16 warps, were tried: 26 us a call at small/512 on an H100 against about 9 for this form on an
+H200; notes/model_sizes.md.)
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same maths in torch.
 
 Layers: reference; kernels; launchers (`_forward`, `_backward`: kernel or CPU maths); the registered operators
@@ -28,7 +29,6 @@ import torch
 
 from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import (
-    cdiv,
     check_operator_device,
     compiling,
     launch_wrapped,
@@ -40,8 +40,6 @@ from cs336_systems.kernels._triton_utils import (
 
 MAX_D = 16384
 DW_PROGRAMS = 256  # partial dW rows: enough programs to fill 132 SMs twice, small enough to reduce cheaply
-STEP_ELEMENTS = 4096  # the backward's rows per step: as many as make this many elements (a 768-wide row: 4)
-MAX_STEP_ROWS = 8
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -69,32 +67,34 @@ def _kernels():
         tl.store(rstd_ptr + row, rstd)
 
     @triton.jit
-    def rmsnorm_backward_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, d, rows_per_program,
-                                BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    def rmsnorm_backward_kernel(x_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, d,
+                                BLOCK_D: tl.constexpr):
         pid = tl.program_id(0)
+        programs = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_D)
-        col_mask = cols < d
-        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        mask = cols < d
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        # A contiguous run of rows per program, ROWS of them per step: a step's loads are independent of each
-        # other (a row at a time, a short program waited on each row's loads in turn). 64-bit offsets: no int32
-        # overflow of row * d on large inputs.
-        first = pid * rows_per_program
-        last = tl.minimum(first + rows_per_program, n_rows)
-        for start in range(first, last, ROWS):
-            rows = start + tl.arange(0, ROWS)
-            row_mask = rows < last
-            mask = row_mask[:, None] & col_mask[None, :]
-            offsets = rows[:, None].to(tl.int64) * d + cols[None, :]
-            x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            x_hat = x * rstd[:, None]
-            g = dy * w[None, :]
-            dx = rstd[:, None] * (g - x_hat * (tl.sum(g * x_hat, axis=1) / d)[:, None])
-            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += tl.sum(dy * x_hat, axis=0)
-        tl.store(dw_partial_ptr + pid.to(tl.int64) * d + cols, dw, mask=col_mask)
+        # Row pointers advance by `programs` rows per iteration; 64-bit pointer arithmetic, so no
+        # int32 overflow of row * d on large inputs.
+        step = programs * d
+        start = pid.to(tl.int64) * d
+        x_ptr += start
+        dy_ptr += start
+        dx_ptr += start
+        for row in range(pid, n_rows, programs):
+            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x * rstd
+            g = dy * w
+            dx = rstd * (g - x_hat * (tl.sum(g * x_hat, axis=0) / d))
+            tl.store(dx_ptr + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+            x_ptr += step
+            dy_ptr += step
+            dx_ptr += step
+        tl.store(dw_partial_ptr + pid.to(tl.int64) * d + cols, dw, mask=mask)
 
     return rmsnorm_forward_kernel, rmsnorm_backward_kernel
 
@@ -141,10 +141,9 @@ def _backward(grad_y2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, r
     programs = torch.sym_max(1, torch.sym_min(DW_PROGRAMS, rows))  # (plain ints eagerly; traced sizes in a triton_op)
     dw_partial = torch.empty(programs, d, device=x2d.device, dtype=torch.float32)
     block_d = _block_d(int(d))
-    step_rows = max(1, min(MAX_STEP_ROWS, STEP_ELEMENTS // block_d))
     if rows:
         launch(backward_kernel, (programs,), x2d, weight, grad_y2d, rstd, dx, dw_partial, rows, d,
-               cdiv(rows, programs), BLOCK_D=block_d, ROWS=step_rows, num_warps=_num_warps(block_d * step_rows))
+               BLOCK_D=block_d, num_warps=_num_warps(block_d))
     else:
         dw_partial.zero_()
     return dx, dw_partial.sum(0).to(weight.dtype)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cs336_systems.bench.cli import build_parser, main
 from cs336_systems.results import load_rows
@@ -76,6 +77,39 @@ def test_model_suite_rounds_interleave_the_providers_and_pool_their_steps(tmp_pa
     times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
     assert [(r["provider"], r["n"], r["warmup"], r["config"]["rounds"]) for r in times] == [
         ("ours", 6, 1, 3), ("baseline", 6, 1, 3)]
+
+
+@pytest.mark.parametrize("where", ["build", "first round"])
+def test_model_suite_rounds_time_the_providers_apart_where_they_do_not_fit_together(where, tmp_path, monkeypatch):
+    """--rounds keeps every provider's model resident; where the second does not fit beside the first (an
+    out-of-memory while building it, or in its first steps), the configuration is timed one provider at a time
+    instead: every row ok, none of them recording rounds, no failure row."""
+    from cs336_systems.bench.suites import model
+
+    calls = {"build": [], "first round": []}
+    real_harness, real_time_fn = model._Harness, model.time_fn
+
+    def harness(case, cfg, device):
+        calls["build"].append(case.provider)
+        if where == "build" and len(calls["build"]) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_harness(case, cfg, device)
+
+    def time_fn(*args, **kwargs):
+        calls["first round"].append(None)
+        if where == "first round" and len(calls["first round"]) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_time_fn(*args, **kwargs)
+
+    monkeypatch.setattr(model, "_Harness", harness)
+    monkeypatch.setattr(model, "time_fn", time_fn)
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward", "--device", "cpu",
+                 "--provider", "ours,baseline", "--rounds", "2", "--warmup", "1", "--steps", "2", "--no-progress",
+                 "--results-dir", str(tmp_path)]) == 0
+    assert calls["build"] == ["ours", "baseline", "ours", "baseline"]
+    times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert [(r["provider"], r["status"], r["n"], "rounds" in r["config"]) for r in times] == [
+        ("ours", "ok", 2, False), ("baseline", "ok", 2, False)]
 
 
 def test_model_suite_rounds_group_each_configuration_with_all_its_providers():

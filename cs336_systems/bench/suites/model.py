@@ -379,9 +379,33 @@ def _record_timing(harness: _Harness, mode: str, config: dict, store: ResultStor
                   value=sum(samples) / steps * 1e3)
 
 
+class _ProvidersDoNotFit(Exception):
+    """A configuration's providers do not fit in memory together (`--rounds`): they are timed one at a time."""
+
+
 def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultStore, peak: float | None) -> None:
     """`--rounds`: build every case of one configuration, warm each up, then time them in args.rounds rounds of
-    args.steps steps, the order reversed every other round; one set of rows per case over all its rounds' steps."""
+    args.steps steps, the order reversed every other round; one set of rows per case over all its rounds' steps.
+    Where the models do not fit in memory together (an out-of-memory while building them or in the first round), the
+    modes not yet recorded are timed one case at a time, as without --rounds (their rows carry no `rounds`)."""
+    recorded: list[str] = []  # modes whose rows are written
+    try:
+        _time_in_rounds(group, cfg, args, store, peak, recorded)
+        return
+    except _ProvidersDoNotFit as error:
+        reason = str(error)
+    # (outside the except block, whose traceback holds the models)
+    common.free_memory(args.device)
+    remaining = [mode for mode in args.mode if mode not in recorded]
+    tqdm.write(f"model suite: {group[0].preset} at context {group[0].context}: the providers do not fit in memory "
+               f"together ({reason}); timing {', '.join(remaining)} one provider at a time")
+    one_at_a_time = argparse.Namespace(**(vars(args) | {"mode": remaining}))
+    for case in group:
+        _run_case(case, cfg, one_at_a_time, store, peak)
+
+
+def _time_in_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultStore, peak: float | None,
+                    recorded: list[str]) -> None:
     device = args.device
     common.free_memory(device)
     built = []  # (case, config, harness, ranges)
@@ -390,6 +414,8 @@ def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultSto
         try:
             # (each compiled harness resets dynamo when built: all are built before any compiles, on first call)
             built.append((case, config, _Harness(case, cfg, device), PhaseRanges(device, nvtx=args.nvtx, time=True)))
+        except torch.OutOfMemoryError as error:
+            raise _ProvidersDoNotFit(f"building {case.provider}: {str(error).splitlines()[0]}") from None
         except Exception as error:
             for mode in args.mode:
                 _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
@@ -406,18 +432,30 @@ def _run_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: ResultSto
                                          steps=args.steps, device=device,
                                          after_warmup=ranges.reset if first else None,
                                          warmup_s=_warmup_seconds(args) if first else 0.0)
+                except torch.OutOfMemoryError as error:
+                    if first and len(live) > 1:  # warm-up's memory on top of the other models': apart, it may fit
+                        raise _ProvidersDoNotFit(f"{case.provider}'s first steps: "
+                                                 f"{str(error).splitlines()[0]}") from None
+                    _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
+                    live, timings = _drop(live, timings, harness, device)
+                    continue
                 except Exception as error:  # this case leaves the rounds; the others go on
                     _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
-                    live = [entry for entry in live if entry[2] is not harness]
-                    timings.pop(harness, None)
-                    harness.optimizer.zero_grad(set_to_none=True)
-                    common.free_memory(device)
+                    live, timings = _drop(live, timings, harness, device)
                     continue
                 timings[harness] = timing if first else timings[harness].pooled(timing)
         for _case, config, harness, ranges in live:
             _record_timing(harness, mode, config, store, timings[harness], ranges, args.steps * args.rounds, peak)
+        recorded.append(mode)
     built = live = None
     common.free_memory(device)
+
+
+def _drop(live: list, timings: dict, harness: _Harness, device) -> tuple[list, dict]:
+    """A case that failed leaves the rounds: its gradients freed, the others go on."""
+    harness.optimizer.zero_grad(set_to_none=True)
+    common.free_memory(device)
+    return [entry for entry in live if entry[2] is not harness], {h: t for h, t in timings.items() if h is not harness}
 
 
 def _artifact_stem(args, case: ModelCase, mode: str) -> Path:

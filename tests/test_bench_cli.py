@@ -112,6 +112,22 @@ def test_model_suite_rounds_time_the_providers_apart_where_they_do_not_fit_toget
         ("ours", "ok", 2, False), ("baseline", "ok", 2, False)]
 
 
+def test_model_suite_drops_each_compiled_configurations_graphs_when_it_is_done(tmp_path, monkeypatch):
+    """A compiled configuration's graphs (and, as CUDA graphs, their private memory pool) are dropped when it is
+    done, not held while the next configuration runs: dynamo is reset once as each compiled case starts and once as
+    it ends; eager cases leave it alone."""
+    from cs336_systems.bench.suites import model
+
+    events = []
+    real_reset, real_harness = torch._dynamo.reset, model._Harness
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (events.append("reset"), real_reset())[1])
+    monkeypatch.setattr(model, "_Harness", lambda case, *a: (events.append(f"build {case.compile}"),
+                                                            real_harness(case, *a))[1])
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward", "--compile", "on,off",
+                 "--provider", "baseline", "--results-dir", str(tmp_path), *FAST]) == 0
+    assert events == ["build True", "reset", "reset", "build False"]
+
+
 def test_model_suite_rounds_group_each_configuration_with_all_its_providers():
     from cs336_systems.bench.suites.model import cases, interleaved_groups
 

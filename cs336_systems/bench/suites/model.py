@@ -109,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "steps (ours, baseline, then baseline, ours, ...), all models built and warmed up first: "
                              "a host that speeds up or slows down over a minute then weighs on both sides alike. "
                              "Rows pool the rounds' steps and record rounds; no peak-memory row (both models are "
-                             "resident). Default 1: each provider timed once, one after the other")
+                             "resident; where they do not fit together, that configuration is timed one provider at a "
+                             "time). Default 1: each provider timed once, one after the other")
     for field, help_text in (("d-model", "d_model"), ("d-ff", "d_ff"), ("num-layers", "layers"),
                              ("num-heads", "heads"), ("vocab-size", "vocabulary")):
         parser.add_argument(f"--{field}", type=common.positive_int(f"--{field}"), default=None,

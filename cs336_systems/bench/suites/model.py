@@ -433,14 +433,11 @@ def _time_in_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: Resul
                                          steps=args.steps, device=device,
                                          after_warmup=ranges.reset if first else None,
                                          warmup_s=_warmup_seconds(args) if first else 0.0)
-                except torch.OutOfMemoryError as error:
-                    if first and len(live) > 1:  # warm-up's memory on top of the other models': apart, it may fit
+                except Exception as error:  # this case leaves the rounds; the others go on
+                    if isinstance(error, torch.OutOfMemoryError) and first and len(live) > 1:
+                        # warm-up's memory on top of the other models': apart, it may fit
                         raise _ProvidersDoNotFit(f"{case.provider}'s first steps: "
                                                  f"{str(error).splitlines()[0]}") from None
-                    _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
-                    live, timings = _drop(live, timings, harness, device)
-                    continue
-                except Exception as error:  # this case leaves the rounds; the others go on
                     _record_failure(store, case.provider, config | {"mode": mode}, "time", error)
                     live, timings = _drop(live, timings, harness, device)
                     continue

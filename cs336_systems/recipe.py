@@ -17,6 +17,7 @@ A `Recipe` says which of our pieces a run uses; `build_model` applies them to a 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ class Recipe:
     attention: str = "reference"  # a name from attention.attention_names()
     fused: bool = False  # our Triton RMSNorm and SwiGLU gate
     fused_rope: bool = False  # our Triton RoPE too (needs `fused`)
+    # the training loss by our fused LM head + cross-entropy (kernels.cross_entropy) on the hidden states, the
+    # (tokens, vocab) logits never held: `hidden_forward_of` and `lm_head_loss`
+    fused_loss: bool = False
     merge_projections: bool = True  # with `fused`: one Q/K/V product and one w1/w3 product per block
     checkpoint: CheckpointPolicy = NO_CHECKPOINTING
     compile: str = "off"  # off, model (torch.compile of the whole model) or block (each block, in place)
@@ -100,6 +104,46 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
 def forward_of(model: nn.Module, recipe: Recipe) -> nn.Module:
     """What to call for the model's forward: torch.compile of the whole model where compile is "model"."""
     return torch.compile(model, mode=recipe.compile_mode) if recipe.compile == "model" else model
+
+
+def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's forward up to (not including) the LM head: embeddings, blocks, final norm. (It bypasses the
+    model's forward, so it keeps the weights' compute-dtype copies current itself, as that forward's hook does.)"""
+    if getattr(model, "_weight_copy_pairs", None) is not None:
+        from cs336_systems.weight_copies import keep_copies_current
+
+        keep_copies_current(model)
+    h = model.token_embeddings(tokens)
+    for layer in model.layers:
+        h = layer(h)
+    return model.ln_final(h)
+
+
+def hidden_forward_of(model: nn.Module, recipe: Recipe):
+    """tokens -> the hidden states `lm_head_loss` reads (what `forward_of` is for the logits): torch.compile of the
+    whole of it where compile is "model"."""
+    forward = functools.partial(hidden_states, model)
+    return torch.compile(forward, mode=recipe.compile_mode) if recipe.compile == "model" else forward
+
+
+def lm_head_loss(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                 chunk_tokens: int = 4096) -> torch.Tensor:
+    """The mean next-token loss of the model's LM head on `hidden`, by our fused LM head + cross-entropy. Under
+    autocast the product runs in autocast's dtype, as the plain head's would: it reads the head's weight copy
+    (`weight_copies`) where there is one, else a cast of the weight; the weight's gradient is its own dtype's."""
+    from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy  # (imports Triton)
+
+    weight = model.lm_head.weight
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return lm_head_cross_entropy(hidden, weight, targets, chunk_tokens=chunk_tokens)
+    dtype = torch.get_autocast_dtype(device)
+    product_weight = getattr(model.lm_head, "weight_copy", None)
+    if product_weight is None or product_weight.dtype != dtype:
+        product_weight = weight.detach().to(dtype)
+    with torch.autocast(device, enabled=False):  # (the dtypes are chosen here; the products take them as they are)
+        return lm_head_cross_entropy(hidden.to(dtype), weight, targets, chunk_tokens=chunk_tokens,
+                                     product_weight=product_weight)
 
 
 def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:

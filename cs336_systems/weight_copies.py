@@ -58,6 +58,13 @@ def attach_weight_copies(model: nn.Module, dtype: torch.dtype = torch.bfloat16) 
     return model
 
 
+def keep_copies_current(model: nn.Module) -> None:
+    """What the forward pre-hook does, for a caller that runs the model's parts without its forward (the recipe's
+    `hidden_states`): re-copy each weight that moved; nothing where the model has no copies."""
+    if getattr(model, "_weight_copy_pairs", None) is not None:
+        _refresh_before_forward(model, ())
+
+
 @torch.no_grad()
 def refresh_weight_copies(model: nn.Module, *, force: bool = False) -> int:
     """Re-copy each weight whose version counter or storage moved since its copy was written (every one with

@@ -153,6 +153,26 @@ def test_model_suite_runs_our_whole_stack_compiled_on_the_cpu(tmp_path, monkeypa
         ("ok", True, "default")]
 
 
+def test_model_suite_takes_our_loss_fused_by_default_and_both_ways_when_asked(tmp_path, monkeypatch):
+    """With --fused, ours takes its training loss by our fused LM head + cross-entropy (`fused_loss` in its rows);
+    `--fused-loss on,off` times both, each a row of its own (bf16 autocast: the head's product reads its weight copy);
+    the baseline takes the plain loss."""
+    import cs336_systems.kernels._triton_utils as utils
+    import cs336_systems.kernels.flash_attention.function  # noqa: F401  (its autotune configs are read at import)
+    from cs336_systems.bench.suites.model import cases
+
+    monkeypatch.setattr(utils, "interpreting", lambda: False)
+    args = build_parser().parse_args(["model", "--device", "cpu", "--fused", "--provider", "ours,baseline"])
+    assert [(c.provider, c.fused_loss) for c in cases(args)] == [("ours", True), ("baseline", False)]
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "forward-backward,train-step",
+                 "--dtype", "bf16", "--attention", "reference", "--fused", "--optimizer", "fused", "--fused-loss",
+                 "on,off", "--results-dir", str(tmp_path), *FAST]) == 0
+    times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert sorted((r["config"]["mode"], r["config"]["fused_loss"]) for r in times) == [
+        ("forward-backward", False), ("forward-backward", True), ("train-step", False), ("train-step", True)]
+    assert all(r["status"] == "ok" for r in times)
+
+
 def test_model_suite_compile_choices():
     from cs336_systems.bench.suites.model import cases
 

@@ -22,8 +22,8 @@ def test_leaderboard_tiny_verifies(tmp_path, checkpoint, capsys):
 def test_verify_catches_a_wrong_step(tmp_path, monkeypatch):
     import cs336_systems.bench.leaderboard_step as suite  # where verify and our step compute the loss
 
-    real = suite.lm_head_cross_entropy
-    monkeypatch.setattr(suite, "lm_head_cross_entropy", lambda *a, **k: real(*a, **k) * 1.01)
+    real = suite.lm_head_loss
+    monkeypatch.setattr(suite, "lm_head_loss", lambda *a, **k: real(*a, **k) * 1.01)
     with pytest.raises(SystemExit, match="outside the error budget"):
         main([*TINY, "--verify", "--results-dir", str(tmp_path)])
 

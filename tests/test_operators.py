@@ -74,6 +74,10 @@ def _operator_cases(device: str):
         (rope_op, (heads, positions, cache, 1.0)),
         (lm_head_cross_entropy_op, (rand(2, 5, 8, grad=True), rand(11, 8, grad=True),
                                     torch.randint(0, 11, (2, 5), generator=g).to(device), -100, "mean", 3)),
+        # the products reading another matrix than the one the gradient is for (a weight's 16-bit copy)
+        (lm_head_cross_entropy_op, (rand(2, 5, 8, grad=True), rand(11, 8, grad=True),
+                                    torch.randint(0, 11, (2, 5), generator=g).to(device), -100, "sum", 4,
+                                    rand(11, 8))),
         (flash_attention_forward_op, (q, k, v, True, "triton")),
         (flash_attention_backward_op, (q.detach(), k.detach(), v.detach(), out, lse, rand(2, 3, 7, 16), True,
                                        "triton")),
@@ -93,7 +97,9 @@ def _operator_cases(device: str):
     ]
 
 
+# (one id per case above, in order)
 OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "rope", "lm_head_cross_entropy",
+             "lm_head_cross_entropy_product_weight",
              "flash_attention_forward", "flash_attention_backward", "rmsnorm_traced", "rmsnorm_traced_backward",
              "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "rmsnorm_to_fp16", "rmsnorm_traced_to_fp16",
              "silu_mul_packed",

@@ -8,7 +8,7 @@ import torch
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.config import ModelConfig
 from cs336_systems.kernels.adamw import FusedAdamW
-from cs336_systems.recipe import Recipe, build_model, build_optimizer
+from cs336_systems.recipe import Recipe, build_model, build_optimizer, hidden_states, lm_head_loss
 from cs336_systems.weight_copies import attach_weight_copies, refresh_weight_copies
 from tests._support import kernel_device
 
@@ -91,6 +91,46 @@ def test_loss_and_gradients_match_the_model_without_copies(cpu_maths):
     for weight, copy in with_copies._weight_copy_pairs:
         refresh_weight_copies(with_copies)  # (the eager update bumps the weights' versions: the pre-hook's work)
         assert torch.equal(copy, weight.detach().to(torch.bfloat16))
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_the_fused_loss_matches_the_logits_loss_and_gives_the_head_weight_its_gradient(copies, cpu_maths):
+    """The recipe's fused loss (`lm_head_loss` on `hidden_states`) under bf16 autocast: the product reads the head's
+    bf16 copy (or a cast of the weight), as the plain head does, so the loss is the logits path's up to the order of
+    fp32 sums; every gradient within bf16's rounding of the logits' gradient; the fp32 weight gets its gradient in
+    fp32, the copy none."""
+    model = build_model(CFG, _recipe(copies), "cpu")
+    tokens, targets = _tokens(0), _tokens(1)
+    results = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = (lm_head_loss(model, hidden_states(model, tokens), targets) if fused
+                    else cross_entropy(model(tokens).float(), targets))
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (fused_loss, fused_grads), (plain_loss, plain_grads) = results
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=0)
+    assert fused_grads.keys() == plain_grads.keys()
+    for name, grad in plain_grads.items():
+        assert fused_grads[name].dtype == torch.float32
+        assert _relative_error(fused_grads[name], grad) < 2e-2, name
+    if copies:
+        assert model.lm_head.weight_copy.grad is None
+
+
+def test_the_fused_loss_reads_copies_kept_current_without_the_models_forward(cpu_maths):
+    """`hidden_states` bypasses the model's forward (and its pre-hook): it re-copies moved weights itself."""
+    model = build_model(CFG, _recipe(True), "cpu")
+    other = build_model(CFG, _recipe(False), "cpu", seed=1)
+    model.load_state_dict(other.state_dict())  # the versions move; no forward of `model` runs after this
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        losses = [lm_head_loss(m, hidden_states(m, _tokens()), _tokens(1)) for m in (model, other)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
 
 def test_a_weight_written_outside_the_optimizer_is_recopied_before_the_forward(cpu_maths):

@@ -10,18 +10,9 @@ import torch
 
 from cs336_basics.nn_utils import cross_entropy
 from cs336_systems.attention import use_attention
-from cs336_systems.kernels.cross_entropy import lm_head_cross_entropy
 from cs336_systems.memory.policy import NO_CHECKPOINTING
 from cs336_systems.parallel import comm
-from cs336_systems.recipe import Recipe, build_model, build_optimizer, wrap_data_parallel
-
-
-def hidden_states(model, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's forward up to (not including) the LM head: embeddings, blocks, final norm."""
-    h = model.token_embeddings(tokens)
-    for layer in model.layers:
-        h = layer(h)
-    return model.ln_final(h)
+from cs336_systems.recipe import Recipe, build_model, build_optimizer, hidden_states, lm_head_loss, wrap_data_parallel
 
 
 def training_step(optimizer, forward, loss_fn, phase, ddp=None):
@@ -63,8 +54,7 @@ def verify(cfg, device, dtype, attention, policy, chunk_tokens, fused, fused_rop
                                         checkpoint=policy if ours else NO_CHECKPOINTING), device)
         with use_attention(attention if ours else "reference"):
             if ours:
-                loss = lm_head_cross_entropy(hidden_states(model, tokens), model.lm_head.weight, targets,
-                                             chunk_tokens=chunk_tokens)
+                loss = lm_head_loss(model, hidden_states(model, tokens), targets, chunk_tokens=chunk_tokens)
             else:
                 logits = model(tokens)
                 loss = cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
@@ -88,7 +78,7 @@ def our_step(cfg, args, device, tokens, targets, recipe: Recipe):
     optimizer = build_optimizer(model, recipe)
 
     def loss_fn(h):
-        return lm_head_cross_entropy(h, model.lm_head.weight, targets, chunk_tokens=args.chunk_tokens)
+        return lm_head_loss(model, h, targets, chunk_tokens=args.chunk_tokens)
 
     return timed_and_plain(optimizer, lambda: hidden_states(model, tokens), loss_fn, ddp)
 

@@ -56,7 +56,7 @@ def lm_head_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, 
                                              ignore_index=ignore_index, reduction=reduction)
 
 
-def _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation):
+def _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation, product_weight=None):
     if weight_grad_accumulation not in WEIGHT_GRAD_ACCUMULATIONS:
         raise ValueError(f"lm_head_cross_entropy: weight_grad_accumulation must be one of "
                          f"{', '.join(WEIGHT_GRAD_ACCUMULATIONS)}, got {weight_grad_accumulation!r}")
@@ -72,6 +72,11 @@ def _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accu
         raise TypeError(f"lm_head_cross_entropy: targets must be integer ids, got {targets.dtype}")
     if chunk_tokens < 1:
         raise ValueError(f"lm_head_cross_entropy: chunk_tokens must be >= 1, got {chunk_tokens}")
+    if product_weight is not None and (product_weight.shape != weight.shape or product_weight.dtype != hidden.dtype
+                                       or product_weight.device != weight.device):
+        raise ValueError(f"lm_head_cross_entropy: product_weight must have the weight's shape {tuple(weight.shape)} "
+                         f"and device and the hidden states' dtype {hidden.dtype}, got {tuple(product_weight.shape)} "
+                         f"{product_weight.dtype} on {product_weight.device}")
 
 
 @functools.cache
@@ -80,10 +85,12 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def softmax_xent_grad_kernel(logits_ptr, targets_ptr, loss_ptr, n_vocab, stride_row, ignore_index, scale,
+    def softmax_xent_grad_kernel(logits_ptr, targets_ptr, loss_ptr, n_vocab, stride_row, ignore_index, scale_ptr,
                                  BLOCK_V: tl.constexpr):
-        """One token: loss = lse - logit[target] (0 if ignored); logits <- (softmax - onehot) * scale."""
+        """One token: loss = lse - logit[target] (0 if ignored); logits <- (softmax - onehot) * scale, the scale
+        read on the device (the mean's 1 / count is never brought to the host)."""
         row = tl.program_id(0)
+        scale = tl.load(scale_ptr).to(tl.float32)
         logits = logits_ptr + row.to(tl.int64) * stride_row
         # Online log-sum-exp, one running (max, sum) per lane, combined once at the end.
         run_max = tl.full((BLOCK_V,), float("-inf"), tl.float32)
@@ -150,8 +157,10 @@ def _uses_kernel(hidden: torch.Tensor) -> bool:
     return hidden.dtype in KERNEL_DTYPES and (hidden.is_cuda or (hidden.device.type == "cpu" and interpreting()))
 
 
-def _softmax_xent_grad_(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, scale: float) -> torch.Tensor:
-    """Per-token losses (fp32); `logits` (tokens, vocab), unit stride along vocab, becomes its gradient."""
+def _softmax_xent_grad_(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                        scale: torch.Tensor) -> torch.Tensor:
+    """Per-token losses (fp32); `logits` (tokens, vocab), unit stride along vocab, becomes its gradient times
+    `scale` (a one-element tensor on the logits' device)."""
     losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
     if logits.shape[0]:
         launch_plan.launch(_kernel(), (logits.shape[0],), logits, targets, losses, logits.shape[1], logits.stride(0),
@@ -198,15 +207,19 @@ def _accumulate_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fi
 
 
 def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int,
-                        need_hidden: bool, need_weight: bool, weight_grad_accumulation: str = "fp32"):
+                        need_hidden: bool, need_weight: bool, weight_grad_accumulation: str = "fp32",
+                        product_weight: torch.Tensor | None = None):
     """(loss, dLoss/dhidden as (n, d) or None, dLoss/dweight or None), chunk by chunk; dW in fp32 (fp64 for
-    fp64), or in the weight's dtype for `weight_grad_accumulation="weight"`."""
+    fp64), or in the weight's dtype for `weight_grad_accumulation="weight"`. The products read `product_weight`
+    where given (the weight in the hidden states' dtype, e.g. its bf16 copy); dW is the weight's all the same."""
     h2d = hidden.reshape(-1, hidden.shape[-1])  # (n, d)
     t1d = targets.reshape(-1)  # (n,)
     valid = t1d != ignore_index
-    count = int(valid.sum()) if reduction == "mean" else 1
-    scale = 1.0 / max(count, 1)
     acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 softmax for 16-bit inputs; fp64 stays
+    # The mean's 1 / count stays on the device: asking its value would stall the host until the forward is done.
+    scale = (1.0 / valid.sum().clamp_min(1).to(acc) if reduction == "mean"
+             else torch.ones((), device=hidden.device, dtype=acc))
+    product_weight = weight if product_weight is None else product_weight
     loss = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(h2d) if need_hidden else None
     grad_w_dtype = weight.dtype if weight_grad_accumulation == "weight" else acc
@@ -218,7 +231,7 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
     for start in range(0, h2d.shape[0], chunk_tokens):
         h = h2d[start:start + chunk_tokens]  # (c, d)
         t = t1d[start:start + chunk_tokens]
-        logits = h @ weight.T  # (c, vocab) in the input dtype: the only vocab-wide tensor, one chunk at a time
+        logits = h @ product_weight.T  # (c, vocab) in the input dtype: the only vocab-wide tensor, one chunk at a time
         if kernel:
             losses = _softmax_xent_grad_(logits, t, ignore_index, scale)
             grad_logits = logits  # overwritten in place
@@ -228,7 +241,7 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
             del probs  # (grad_logits itself where the dtypes match)
         loss += losses.sum()
         if grad_h is not None:
-            torch.mm(grad_logits, weight, out=grad_h[start:start + chunk_tokens])
+            torch.mm(grad_logits, product_weight, out=grad_h[start:start + chunk_tokens])
         if grad_w is not None:
             _accumulate_product_(grad_w, grad_logits.T, h, first=start == 0)
         # Free this chunk's logits before the next chunk's product allocates its own: otherwise both are alive at
@@ -241,14 +254,15 @@ def _loss_and_gradients(hidden, weight, targets, ignore_index: int, reduction: s
 # formed on the way (the whole point of the fusion); its autograd rule only scales them.
 @torch.library.custom_op("cs336::lm_head_cross_entropy", mutates_args=())
 def lm_head_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                             reduction: str, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             reduction: str, chunk_tokens: int, product_weight: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, grad_h, grad_w = _loss_and_gradients(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
-                                               True, True)
+                                               True, True, product_weight=product_weight)
     return loss, grad_h.view(hidden.shape), grad_w
 
 
 @lm_head_cross_entropy_op.register_fake
-def _(hidden, weight, targets, ignore_index, reduction, chunk_tokens):
+def _(hidden, weight, targets, ignore_index, reduction, chunk_tokens, product_weight=None):
     acc = torch.promote_types(hidden.dtype, torch.float32)
     return (hidden.new_empty((), dtype=acc), torch.empty_like(hidden, memory_format=torch.contiguous_format),
             weight.new_empty(weight.shape, dtype=acc))
@@ -268,7 +282,7 @@ def _scaled_weight_gradient(grad_w: torch.Tensor, grad_loss: torch.Tensor, dtype
 def _op_backward(ctx, grad_loss, _grad_h, _grad_w):
     grad_h, grad_w = ctx.saved_tensors
     return (grad_h * grad_loss.to(grad_h.dtype), _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype),
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 lm_head_cross_entropy_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -281,10 +295,10 @@ class LMHeadCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, ignore_index: int, reduction: str, chunk_tokens: int,
-                weight_grad_accumulation: str = "fp32"):
+                weight_grad_accumulation: str = "fp32", product_weight: torch.Tensor | None = None):
         loss, grad_h, grad_w = _loss_and_gradients(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
                                                    hidden.requires_grad, weight.requires_grad,
-                                                   weight_grad_accumulation)
+                                                   weight_grad_accumulation, product_weight)
         ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0),
                               grad_w if grad_w is not None else torch.empty(0))
         ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
@@ -305,21 +319,25 @@ class LMHeadCrossEntropyFunction(torch.autograd.Function):
         if ctx.has[1]:
             dw = (_scale_(grad_w, grad_loss) if grad_w.dtype == ctx.weight_dtype
                   else _scaled_weight_gradient(grad_w, grad_loss, ctx.weight_dtype))
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                           ignore_index: int = -100, reduction: str = "mean", chunk_tokens: int = 4096,
-                          weight_grad_accumulation: str = "fp32") -> torch.Tensor:
+                          weight_grad_accumulation: str = "fp32",
+                          product_weight: torch.Tensor | None = None) -> torch.Tensor:
     """cross_entropy(hidden @ weight^T, targets) without the full logits. hidden (..., d), weight (vocab, d).
 
     weight_grad_accumulation: "fp32" (default) accumulates dW over the token chunks in fp32 and rounds once;
-    "weight" accumulates it in the weight's dtype (less memory, as Liger-Kernel; one rounding per chunk)."""
-    _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation)
+    "weight" accumulates it in the weight's dtype (less memory, as Liger-Kernel; one rounding per chunk).
+    product_weight: what the products read in place of `weight` (same shape, the hidden states' dtype): an fp32
+    weight's bf16 copy, as autocast would cast it; the gradient still goes to `weight`, in its dtype."""
+    _validate(hidden, weight, targets, reduction, chunk_tokens, weight_grad_accumulation, product_weight)
     if compiling():
         if weight_grad_accumulation != "fp32":
             raise ValueError("lm_head_cross_entropy: under torch.compile dW accumulates in fp32; "
                              f"weight_grad_accumulation={weight_grad_accumulation!r} is for eager mode")
-        return lm_head_cross_entropy_op(hidden, weight, targets, ignore_index, reduction, chunk_tokens)[0]
+        return lm_head_cross_entropy_op(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
+                                        product_weight)[0]
     return LMHeadCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, reduction, chunk_tokens,
-                                            weight_grad_accumulation)
+                                            weight_grad_accumulation, product_weight)

@@ -141,7 +141,7 @@ def _our_recipe(args, on_cuda: bool) -> Recipe:
     return Recipe(attention=args.attention or ("triton" if on_cuda else "pytorch-flash"), fused=fused,
                   fused_rope=fused if args.fused_rope is None else args.fused_rope, param_dtype=DTYPES[param],
                   optimizer=args.optimizer or ("fused" if on_cuda else "cs336"), optimizer_maths="torch",
-                  state_dtype=DTYPES[args.state_dtype or ("fp32" if param == "fp32" else "bf16")])
+                  state_dtype=DTYPES[args.state_dtype or ("fp32" if param == "fp32" else "bf16")], fused_loss=True)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

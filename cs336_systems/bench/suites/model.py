@@ -32,7 +32,15 @@ from cs336_systems.memory.policy import NO_CHECKPOINTING, CheckpointPolicy
 from cs336_systems.profiling.flops import flops_for_mode, measure_matmul_peak
 from cs336_systems.profiling.ranges import PhaseRanges, annotated_attention
 from cs336_systems.profiling.timing import Timing, default_warmup_seconds, time_fn
-from cs336_systems.recipe import Recipe, attention_context, build_model, build_optimizer, forward_of
+from cs336_systems.recipe import (
+    Recipe,
+    attention_context,
+    build_model,
+    build_optimizer,
+    forward_of,
+    hidden_forward_of,
+    lm_head_loss,
+)
 from cs336_systems.results import ResultStore, format_table, pivot_table
 
 MODES = ("forward", "forward-backward", "train-step")
@@ -56,6 +64,7 @@ class ModelCase:
     compile_mode: str = "-"  # with compile: torch.compile's mode, "default" or "reduce-overhead" (CUDA graphs)
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
     weight_copies: bool = False  # ours, fused, fused AdamW, 16-bit autocast: the weights' copies (weight_copies.py)
+    fused_loss: bool = False  # ours, fused: the loss by our fused LM head + cross-entropy (no logits held)
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
@@ -88,8 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sqrt, nested, ffn, attn; +keep-attn on every-block/every-k/partial/sqrt keeps the "
                              "attention outputs (default none; the baseline is never checkpointed)")
     parser.add_argument("--fused", action="store_true",
-                        help="install our Triton RMSNorm, SwiGLU gate and RoPE on our model (their torch maths on "
-                             "the CPU)")
+                        help="install our Triton RMSNorm, SwiGLU gate and RoPE on our model, and take its training "
+                             "loss by our fused LM head + cross-entropy (--fused-loss; their torch maths on the CPU)")
+    parser.add_argument("--fused-loss", type=common.list_of(str, ("on", "off"), "--fused-loss"), default=["on"],
+                        help="with --fused, in forward-backward and train-step: our fused LM head + cross-entropy "
+                             "on the hidden states (on, default: the (tokens, vocab) logits are never held, the "
+                             "gradients formed in the loss's one pass) or the model's logits and cross_entropy as "
+                             "the baseline takes them (off); on,off times both")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
                         help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
     parser.add_argument("--weight-copies", type=common.list_of(str, ("on", "off"), "--weight-copies"),
@@ -143,12 +157,14 @@ def cases(args) -> list[ModelCase]:
         ours = provider == "ours"
         compiled = comp != "off"
         copies_apply = ours and args.fused and args.optimizer == "fused" and dtype in ("bf16", "fp16")
-        for copies in dict.fromkeys(choice == "on" for choice in args.weight_copies) if copies_apply else [False]:
+        copy_choices = dict.fromkeys(choice == "on" for choice in args.weight_copies) if copies_apply else [False]
+        loss_choices = dict.fromkeys(choice == "on" for choice in args.fused_loss) if ours and args.fused else [False]
+        for copies, fused_loss in itertools.product(copy_choices, loss_choices):
             out.append(ModelCase(preset, ctx, args.batch, dtype, compiled, provider, attention, policy,
                                  fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
                                  compile_scope=args.compile_scope if compiled else "-",
                                  compile_mode=("default" if comp == "on" else comp) if compiled else "-",
-                                 weight_copies=copies))
+                                 weight_copies=copies, fused_loss=fused_loss))
     return out
 
 
@@ -169,10 +185,12 @@ class _Harness:
                                  compile_mode=case.compile_mode if case.compile else "default",
                                  optimizer=case.optimizer,
                                  weight_copy_dtype=common.DTYPES[case.dtype] if case.weight_copies else None,
-                                 **recipe_options)
+                                 fused_loss=case.fused_loss, **recipe_options)
             self.model = build_model(cfg, self.recipe, device)
             self.optimizer = build_optimizer(self.model, self.recipe)
             self.forward_model = forward_of(self.model, self.recipe)
+            if self.recipe.fused_loss:  # (the forward mode still times the logits)
+                self.hidden_forward = hidden_forward_of(self.model, self.recipe)
         else:  # the PyTorch-native baseline, compiled the same way
             torch.manual_seed(0)
             with torch.device(device):
@@ -205,10 +223,16 @@ class _Harness:
         def forward_backward():
             begin_step()
             with autocast:
-                with phase("forward"):
-                    logits = self.forward_model(self.x)
-                with phase("loss"):
-                    loss = cross_entropy(logits.float(), self.y)
+                if self.case.fused_loss:
+                    with phase("forward"):
+                        hidden = self.hidden_forward(self.x)
+                    with phase("loss"):
+                        loss = lm_head_loss(self.model, hidden, self.y)
+                else:
+                    with phase("forward"):
+                        logits = self.forward_model(self.x)
+                    with phase("loss"):
+                        loss = cross_entropy(logits.float(), self.y)
             with phase("backward"):
                 loss.backward()
 
@@ -555,9 +579,10 @@ def _print_table(store: ResultStore, args) -> None:
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
     index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "provider",
-                         "attention", "checkpoint", "fused", "optimizer", "weight_copies", "mode")
+                         "attention", "checkpoint", "fused", "optimizer", "weight_copies", "fused_loss", "mode")
              if c in frame.columns]
-    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode", "weight_copies")
+    frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode", "weight_copies",
+                                           "fused_loss")
                           if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]

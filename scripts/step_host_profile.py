@@ -48,12 +48,17 @@ VARIANTS = {
     "ours": ("ours", "triton", True, "fused"),
     "ours-no-fused-kernels": ("ours", "triton", False, "fused"),
     "ours-cs336-adamw": ("ours", "triton", True, "cs336"),
+    "ours-plain-loss": ("ours", "triton", True, "fused"),  # (CASE_OPTIONS)
+    "ours-no-weight-copies": ("ours", "triton", True, "fused"),  # (CASE_OPTIONS)
     "ours-unmerged": ("ours", "triton", True, "fused"),  # (RECIPE_OPTIONS)
     "ours-custom-ops": ("ours", "triton", True, "fused"),  # (VARIANT_ENVIRONMENT)
     "ours-python-attention": ("ours", "triton", True, "fused"),  # (VARIANT_SETTINGS)
     "plain": ("ours", "reference", False, "cs336"),
 }
 RECIPE_OPTIONS = {"ours-unmerged": {"merge_projections": False}}  # what else a variant changes in our Recipe
+# A variant's model-suite case fields where they are not the suite's default for its pieces (with our fused kernels:
+# the fused loss; with the fused optimizer in 16 bits too: the weights' copies)
+CASE_OPTIONS = {"ours-plain-loss": {"fused_loss": False}, "ours-no-weight-copies": {"weight_copies": False}}
 # Environment a variant runs under: our pointwise operators as custom operators under torch.compile, where the
 # default traces them as triton_ops (read when traced).
 VARIANT_ENVIRONMENT = {"ours-custom-ops": {"CS336_TRITON_OPS": "0"}}
@@ -157,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in variants:
             provider, attention, fused, optimizer = VARIANTS[name]
             compiled = compile_choice != "off"
+            defaults = {"fused_loss": fused, "weight_copies": fused and optimizer == "fused" and args.dtype != "fp32"}
             case = ModelCase(args.preset, args.context, args.batch, args.dtype, compiled, provider, attention,
                              fused=fused, optimizer=optimizer, compile_scope="block" if compiled else "-",
                              compile_mode=("default" if compile_choice == "on" else compile_choice)
-                             if compiled else "-")
+                             if compiled else "-", **(defaults | CASE_OPTIONS.get(name, {})))
             try:
                 harness = _Harness(case, cfg, device, **RECIPE_OPTIONS.get(name, {}))
                 with (harness.attention_context(), _environment(VARIANT_ENVIRONMENT.get(name, {})),

@@ -1,6 +1,7 @@
 """Our fused kernels installed on a built BasicsTransformerLM, from outside.
 
-`apply_fused_kernels(model)` re-points the forward of every `RMSNorm` to the Triton RMSNorm (a block's two norms
+`apply_fused_kernels(model)` makes each module an instance of a fused subclass of its class (`FusedRMSNorm`, ...;
+the same parameters and buffers): every `RMSNorm` runs the Triton RMSNorm (a block's two norms
 store autocast's dtype, which their products would cast to anyway) and of every `SwiGLU`
 to `w2(gate(w1 x, w3 x))` with the fused gate; with `rope=True` also every `RotaryEmbedding` to the fused RoPE (the
 leaderboard's default with its fused kernels; each attention rotates its Q and K in one launch, `rope_pair`), and
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 
 import torch
 import torch.nn as nn
@@ -264,9 +264,9 @@ def product_weight_groups(model: nn.Module) -> list[tuple[nn.Module | None, list
     product it is, its weights) for each merged group, then (None, [weight]) for every other Linear."""
     groups, grouped = [], set()
     for module in model.modules():
-        if getattr(module.__dict__.get("project_qkv"), "__func__", None) is _merged_project_qkv:
+        if isinstance(module, MergedQKVAttention):
             weights = [module.q_proj.weight, module.k_proj.weight, module.v_proj.weight]
-        elif getattr(module.__dict__.get("forward"), "__func__", None) is _merged_swiglu_forward:
+        elif isinstance(module, MergedSwiGLU):
             weights = [module.w1.weight, module.w3.weight]
         else:
             continue
@@ -276,35 +276,77 @@ def product_weight_groups(model: nn.Module) -> list[tuple[nn.Module | None, list
     return groups
 
 
+# The fused forms as subclasses, each module's class swapped in place (`module.__class__ = ...`), rather than bound
+# methods set on each instance: torch.compile then guards a module's forward by its type, which it checks anyway,
+# where an instance's own `forward` costs guards on the method object, its function's code and its `__self__` (a
+# Python lambda guard) for every module, checked on every call of a compiled block (notes/model_sizes.md: 12 checks
+# a step at small, about 4x the baseline's cost each).
+class FusedRMSNorm(RMSNorm):
+    forward = _fused_rmsnorm_forward
+
+
+class FusedBlockRMSNorm(RMSNorm):
+    forward = _fused_block_norm_forward
+
+
+class FusedSwiGLU(SwiGLU):
+    forward = _fused_swiglu_forward
+
+
+class MergedSwiGLU(SwiGLU):
+    forward = _merged_swiglu_forward
+
+
+class FusedLinear(Linear):
+    forward = _linear_forward
+
+
+class FusedRotaryEmbedding(RotaryEmbedding):
+    forward = _fused_rope_forward
+
+
+class MergedQKVAttention(CausalMultiHeadSelfAttention):
+    project_qkv = _merged_project_qkv
+
+
+class FusedRoPEAttention(CausalMultiHeadSelfAttention):
+    forward = _attention_with_cached_positions
+    rotate_qk = _fused_rotate_qk
+
+
+class MergedQKVFusedRoPEAttention(MergedQKVAttention, FusedRoPEAttention):
+    pass
+
+
 def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
     `model`, the layout-keeping product on every Linear, and (`merge_projections`) one Q/K/V product per attention
-    and one w1/w3 product per SwiGLU; returns `model`."""
+    and one w1/w3 product per SwiGLU; returns `model`. Each module becomes an instance of the fused subclass of its
+    class (above): parameters, buffers, names and the state dict are untouched."""
     patched = 0
     block_norms = {id(norm) for block in model.modules() if isinstance(block, TransformerBlock)
                    for norm in (block.ln1, block.ln2)}
-    for module in model.modules():
-        if merge_projections and isinstance(module, CausalMultiHeadSelfAttention):
-            _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
-            module.project_qkv = types.MethodType(_merged_project_qkv, module)
-        if rope and isinstance(module, RotaryEmbedding):
-            module.forward = types.MethodType(_fused_rope_forward, module)
-            continue
-        if rope and isinstance(module, CausalMultiHeadSelfAttention) and module.positional_encoder is not None:
-            module.forward = types.MethodType(_attention_with_cached_positions, module)
-            module.rotate_qk = types.MethodType(_fused_rotate_qk, module)
-        if isinstance(module, RMSNorm):
-            module.forward = types.MethodType(
-                _fused_block_norm_forward if id(module) in block_norms else _fused_rmsnorm_forward, module)
+    for module in list(model.modules()):
+        if isinstance(module, CausalMultiHeadSelfAttention):
+            merged = merge_projections
+            fused_rope = rope and module.positional_encoder is not None
+            if merged:
+                _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
+            classes = {(True, True): MergedQKVFusedRoPEAttention, (True, False): MergedQKVAttention,
+                       (False, True): FusedRoPEAttention}
+            module.__class__ = classes.get((merged, fused_rope), CausalMultiHeadSelfAttention)
+        elif rope and isinstance(module, RotaryEmbedding):
+            module.__class__ = FusedRotaryEmbedding
+        elif isinstance(module, RMSNorm):
+            module.__class__ = FusedBlockRMSNorm if id(module) in block_norms else FusedRMSNorm
             patched += 1
         elif isinstance(module, SwiGLU):
             if merge_projections:
                 _make_consecutive([module.w1.weight, module.w3.weight])
-            module.forward = types.MethodType(_merged_swiglu_forward if merge_projections else _fused_swiglu_forward,
-                                              module)
+            module.__class__ = MergedSwiGLU if merge_projections else FusedSwiGLU
             patched += 1
         elif isinstance(module, Linear):
-            module.forward = types.MethodType(_linear_forward, module)
+            module.__class__ = FusedLinear
             module._forward_taken_over = getattr(module, "_forward_taken_over", False)
     if not patched:
         raise ValueError(f"apply_fused_kernels: {type(model).__name__} has no RMSNorm or SwiGLU modules")

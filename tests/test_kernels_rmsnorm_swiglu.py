@@ -226,6 +226,38 @@ def test_fused_model_computes_the_same_function(rope):
     assert set(fused.state_dict()) == set(plain.state_dict())
 
 
+@pytest.mark.parametrize("rope, merge", [(True, True), (True, False), (False, True), (False, False)])
+def test_fused_forms_are_subclasses_with_no_method_of_their_own_instance(rope, merge):
+    """Each module becomes an instance of a fused subclass of its class (torch.compile guards its forward by its type)
+    with no forward, project_qkv or rotate_qk bound on the instance (each would be guarded on every compiled call);
+    the model pickles, and applying it again changes nothing."""
+    import pickle
+
+    from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RotaryEmbedding, SwiGLU
+    from cs336_systems import fused_model
+
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=24)
+    model = apply_fused_kernels(cfg.build(device="cpu"), rope=rope, merge_projections=merge)
+    assert not any(name in vars(m) for m in model.modules() for name in ("forward", "project_qkv", "rotate_qk"))
+    kinds = {RMSNorm: (fused_model.FusedRMSNorm, fused_model.FusedBlockRMSNorm),
+             SwiGLU: (fused_model.MergedSwiGLU if merge else fused_model.FusedSwiGLU,),
+             Linear: (fused_model.FusedLinear,)}
+    for module in model.modules():
+        for base, fused in kinds.items():
+            if isinstance(module, base):
+                assert type(module) in fused, type(module)
+        if isinstance(module, RotaryEmbedding):
+            assert (type(module) is fused_model.FusedRotaryEmbedding) == rope
+        if isinstance(module, CausalMultiHeadSelfAttention):
+            assert isinstance(module, fused_model.MergedQKVAttention) == merge
+            assert isinstance(module, fused_model.FusedRoPEAttention) == rope
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24))
+    again = pickle.loads(pickle.dumps(model))
+    torch.testing.assert_close(again(tokens), model(tokens), rtol=0, atol=0)
+    classes = [type(m) for m in model.modules()]
+    assert [type(m) for m in apply_fused_kernels(model, rope=rope, merge_projections=merge).modules()] == classes
+
+
 class _ProductCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the matrix products (aten mm / addmm / bmm) dispatched inside it."""
 

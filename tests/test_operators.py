@@ -406,6 +406,27 @@ def test_launch_host_cost_script_runs():
                                                                                for line in lines)
 
 
+def test_guard_check_cost_script_runs():
+    """scripts/guard_check_cost.py on the CPU: both models' compiled blocks found, their guards pass on the blocks'
+    own inputs, and a cost in us after each part of a step; bad counts refused before any work."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "guard_check_cost.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--context", "16", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in done.stdout.splitlines()
+            if line.startswith(("ours ", "baseline "))}
+    assert set(rows) == {"ours", "baseline"} and all(len(r) == 5 and min(r) > 0 for r in rows.values())
+    refused = subprocess.run([sys.executable, str(script), "--device", "cpu", "--repeats", "0"], capture_output=True,
+                             text=True, timeout=60, env=env)
+    assert refused.returncode == 2 and "--repeats" in refused.stderr
+
+
 def test_step_host_profile_script_runs(tmp_path):
     """scripts/step_host_profile.py (on the CPU here; the GPU stage `host-profile` runs it at small/512) times each
     variant's step and writes its profile tables, and refuses bad counts and unknown variants before any work."""

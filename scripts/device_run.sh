@@ -306,10 +306,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # The next session's first call (~8 min, H100 or H200): the fused forms as subclasses (the twentieth session, CPU
       # only) -- their GPU tests with the compiled model and a CUDA-graph capture; what a compiled block's guard check
       # costs inside a step on this host, ours against the baseline; then every size at ctx 512 in the three modes.
-      gpu_tests session49 120 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
+      gpu_tests session49 100 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
         -k "rope or rmsnorm or fused or opcheck_kernels or compiles_with_the_kernels or cuda_graph or copies"
-      timeout 120 python3 scripts/guard_check_cost.py --device cuda --preset small --context 512 2>&1 | tail -4
-      every_size 330 512 off,on,reduce-overhead --rounds 2
+      timeout 60 python3 scripts/guard_check_cost.py --device cuda --preset small --context 512 2>&1 | tail -4
+      every_size 300 512 off,on,reduce-overhead --rounds 2
+      # what dynamo's guard checks cost the compiled steps of small and medium, both providers
+      timeout 100 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
+        --compile on,reduce-overhead --compile-scope block --provider ours,baseline --attention triton --fused \
+        --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --skip-guards --no-progress \
+        --results-dir "$R" 2>&1 | tail -10
       ;;
     session48)
       # Whole-model CUDA graphs (~3 min): small at ctx 512 compiled as one region (the hidden states' forward: one

@@ -173,6 +173,27 @@ def test_model_suite_takes_our_loss_fused_by_default_and_both_ways_when_asked(tm
     assert all(r["status"] == "ok" for r in times)
 
 
+def test_model_suite_skips_guards_in_the_timed_steps_of_compiled_configurations_only(tmp_path, monkeypatch):
+    """--skip-guards: each compiled configuration's timed steps (not its warm-up, which compiles) run under
+    torch.compiler.set_stance(skip_guard_eval_unsafe=True), both providers; eager rows unaffected; rows say which."""
+    entered = []
+    real = torch.compiler.set_stance
+
+    def recording(*args, **kwargs):
+        entered.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording)
+    assert main(["model", "--preset", "tiny", "--context", "16", "--mode", "train-step", "--compile", "off,on",
+                 "--provider", "ours,baseline", "--skip-guards", "--results-dir", str(tmp_path), "--device", "cpu",
+                 "--warmup", "2", "--steps", "3", "--no-progress"]) == 0
+    times = [r for r in load_rows(tmp_path / "model.jsonl") if r["metric"] == "time"]
+    assert sorted((r["provider"], r["config"]["compile"], r["config"]["skip_guards"]) for r in times) == [
+        ("baseline", False, False), ("baseline", True, True), ("ours", False, False), ("ours", True, True)]
+    assert all(r["status"] == "ok" for r in times)
+    assert entered == [True] * 6  # the 3 timed steps of each compiled provider
+
+
 def test_model_suite_compile_choices():
     from cs336_systems.bench.suites.model import cases
 

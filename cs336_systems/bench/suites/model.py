@@ -65,6 +65,7 @@ class ModelCase:
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
     weight_copies: bool = False  # ours, fused, fused AdamW, 16-bit autocast: the weights' copies (weight_copies.py)
     fused_loss: bool = False  # ours, fused: the loss by our fused LM head + cross-entropy (no logits held)
+    skip_guards: bool = False  # compiled: the timed steps run without dynamo's guard checks (--skip-guards)
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
@@ -99,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused", action="store_true",
                         help="install our Triton RMSNorm, SwiGLU gate and RoPE on our model, and take its training "
                              "loss by our fused LM head + cross-entropy (--fused-loss; their torch maths on the CPU)")
+    parser.add_argument("--skip-guards", action="store_true",
+                        help="with --compile on/reduce-overhead, both providers: after warm-up, time the steps under "
+                             "torch.compiler.set_stance(skip_guard_eval_unsafe=True), where dynamo runs each "
+                             "compiled region's graph without checking its guards first (what they cost a small "
+                             "model's host; safe here, where nothing they check changes between the timed steps). "
+                             "Rows carry skip_guards")
     parser.add_argument("--fused-loss", type=common.list_of(str, ("on", "off"), "--fused-loss"), default=["on"],
                         help="with --fused, in forward-backward and train-step: our fused LM head + cross-entropy "
                              "on the hidden states (on, default: the (tokens, vocab) logits are never held, the "
@@ -164,7 +171,8 @@ def cases(args) -> list[ModelCase]:
                                  fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
                                  compile_scope=args.compile_scope if compiled else "-",
                                  compile_mode=("default" if comp == "on" else comp) if compiled else "-",
-                                 weight_copies=copies, fused_loss=fused_loss))
+                                 weight_copies=copies, fused_loss=fused_loss,
+                                 skip_guards=compiled and args.skip_guards))
     return out
 
 
@@ -174,6 +182,7 @@ class _Harness:
 
     def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device, **recipe_options):
         self.case, self.cfg, self.device = case, cfg, device
+        self.skipping_guards = False  # (from the first timed step on, with case.skip_guards)
         if case.compile:
             # Each compiled configuration starts from an empty dynamo cache: its first call then carries its own
             # compile, and a sweep never reaches dynamo's recompile limit (past it, calls run eagerly, silently).
@@ -204,6 +213,10 @@ class _Harness:
                 self.forward_model = torch.compile(self.model, mode=case.compile_mode)
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
         self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
+
+    def start_timing(self) -> None:
+        """Called after warm-up: the steps from here on are timed."""
+        self.skipping_guards = self.case.skip_guards
 
     def attention_context(self):
         return attention_context(self.recipe) if self.case.provider == "ours" else contextlib.nullcontext()
@@ -360,8 +373,8 @@ def _time_mode(harness: _Harness, mode: str, config: dict, args, store: ResultSt
     timed = _timed_step(harness, mode, ranges)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device, after_warmup=ranges.reset,
-                     warmup_s=_warmup_seconds(args))
+    timing = time_fn(timed, warmup=args.warmup, steps=args.steps, device=device,
+                     after_warmup=lambda: (ranges.reset(), harness.start_timing()), warmup_s=_warmup_seconds(args))
     _record_timing(harness, mode, config, store, timing, ranges, args.steps, peak)
     if device.type == "cuda":
         store.add(provider=harness.case.provider, config=config | {"mode": mode}, metric="peak_allocated",
@@ -373,7 +386,10 @@ def _timed_step(harness: _Harness, mode: str, ranges: PhaseRanges):
     measured = (lambda: torch.cuda.nvtx.range("measured")) if ranges.nvtx else contextlib.nullcontext
 
     def timed():
-        with measured():
+        # (set_stance as a context: the guards are checked again once the step is done)
+        skipping = (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if harness.skipping_guards
+                    else contextlib.nullcontext())
+        with measured(), skipping:
             step()
 
     return timed
@@ -455,7 +471,8 @@ def _time_in_rounds(group: list[ModelCase], cfg: ModelConfig, args, store: Resul
                     with harness.attention_context():
                         timing = time_fn(_timed_step(harness, mode, ranges), warmup=args.warmup if first else 0,
                                          steps=args.steps, device=device,
-                                         after_warmup=ranges.reset if first else None,
+                                         after_warmup=(lambda h=harness, r=ranges: (r.reset(), h.start_timing()))
+                                         if first else None,
                                          warmup_s=_warmup_seconds(args) if first else 0.0)
                 except Exception as error:  # this case leaves the rounds; the others go on
                     if isinstance(error, torch.OutOfMemoryError) and first and len(live) > 1:

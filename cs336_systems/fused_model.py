@@ -318,6 +318,11 @@ class MergedQKVFusedRoPEAttention(MergedQKVAttention, FusedRoPEAttention):
     pass
 
 
+# an attention's fused class by (Q/K/V merged, RoPE fused); neither: the plain class
+_ATTENTION_CLASSES = {(True, True): MergedQKVFusedRoPEAttention, (True, False): MergedQKVAttention,
+                      (False, True): FusedRoPEAttention, (False, False): CausalMultiHeadSelfAttention}
+
+
 def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
     `model`, the layout-keeping product on every Linear, and (`merge_projections`) one Q/K/V product per attention
@@ -326,15 +331,11 @@ def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projectio
     patched = 0
     block_norms = {id(norm) for block in model.modules() if isinstance(block, TransformerBlock)
                    for norm in (block.ln1, block.ln2)}
-    for module in list(model.modules()):
+    for module in model.modules():
         if isinstance(module, CausalMultiHeadSelfAttention):
-            merged = merge_projections
-            fused_rope = rope and module.positional_encoder is not None
-            if merged:
+            if merge_projections:
                 _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
-            classes = {(True, True): MergedQKVFusedRoPEAttention, (True, False): MergedQKVAttention,
-                       (False, True): FusedRoPEAttention}
-            module.__class__ = classes.get((merged, fused_rope), CausalMultiHeadSelfAttention)
+            module.__class__ = _ATTENTION_CLASSES[merge_projections, rope and module.positional_encoder is not None]
         elif rope and isinstance(module, RotaryEmbedding):
             module.__class__ = FusedRotaryEmbedding
         elif isinstance(module, RMSNorm):

@@ -54,15 +54,8 @@ def attach_weight_copies(model: nn.Module, dtype: torch.dtype = torch.bfloat16) 
             pairs.append((weight, copy))
     model._weight_copy_pairs = pairs
     model._weight_copy_versions = [(w._version, w.data_ptr()) for w, _ in pairs]
-    model.register_forward_pre_hook(_refresh_before_forward)
+    model.register_forward_pre_hook(keep_copies_current)
     return model
-
-
-def keep_copies_current(model: nn.Module) -> None:
-    """What the forward pre-hook does, for a caller that runs the model's parts without its forward (the recipe's
-    `hidden_states`): re-copy each weight that moved; nothing where the model has no copies."""
-    if getattr(model, "_weight_copy_pairs", None) is not None:
-        _refresh_before_forward(model, ())
 
 
 @torch.no_grad()
@@ -81,7 +74,8 @@ def refresh_weight_copies(model: nn.Module, *, force: bool = False) -> int:
 
 
 @torch.compiler.disable
-def _refresh_before_forward(model: nn.Module, args) -> None:
-    # (never traced: version counters are not something a graph can read; under a whole-model torch.compile this
-    # is a graph break at the forward's start)
+def keep_copies_current(model: nn.Module, args=()) -> None:
+    """Re-copy each weight that moved: the model's forward pre-hook, and what a caller that runs the model's parts
+    without its forward calls itself (the recipe's `hidden_states`). Never traced: version counters are not something
+    a graph can read; under a whole-model torch.compile this is a graph break at the forward's start."""
     refresh_weight_copies(model)

@@ -22,7 +22,8 @@ import torch
 
 
 def _models(args, device):
-    """{name: (first block, optimizer, step, forward)} for ours and the baseline."""
+    """{name: (first block, optimizer, attention context, loss, forward to the hidden states)} for ours and the
+    baseline."""
     from cs336_systems.bench.baseline_lm import BaselineLM
     from cs336_systems.config import ModelConfig
     from cs336_systems.recipe import (

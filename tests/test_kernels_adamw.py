@@ -114,3 +114,99 @@ def test_gradient_table_is_copied_to_the_device_only_for_new_addresses(monkeypat
         plain.step()
     for ours, expected in zip(params, fresh):
         assert torch.equal(ours.detach(), expected.detach())
+
+
+@pytest.mark.parametrize("maths,reference", [("cs336", AdamW), ("torch", torch.optim.AdamW)])
+def test_capturable_steps_match_the_reference_with_step_counts_on_the_device(maths, reference):
+    """capturable=True: the step counts are device tensors and the kernel forms the bias corrections from them (in
+    fp32, where the host forms them in fp64: a relative difference of a few fp32 ulps in each step's size). One
+    parameter skips a step, so one launch carries two step counts."""
+    device = kernel_device()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    torch.manual_seed(0)
+    starts = [torch.randn(shape, device=device) for shape in ((37,), (5, 300), (2049,))]
+    ours = [torch.nn.Parameter(s.clone()) for s in starts]
+    ref = [torch.nn.Parameter(s.clone()) for s in starts]
+    opt, ref_opt = FusedAdamW(ours, maths=maths, capturable=True, **kw), reference(ref, **kw)
+    for step in range(10):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            skip = i == 1 and step == 4
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(device)
+            p.grad, q.grad = (None, None) if skip else (g, g.clone())
+        opt.step()
+        ref_opt.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    t = opt.state[ours[0]]["t"]
+    assert isinstance(t, torch.Tensor) and t.device.type == device and t.item() == 10
+    assert opt.state[ours[1]]["t"].item() == 9
+    assert len(opt._tables_cache) == 2  # with and without the parameter that skipped, both launched on the device
+
+
+def test_an_optimizer_made_capturable_after_some_steps_carries_its_step_counts_over():
+    device = kernel_device()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    plain, _ = _run(lambda ps: FusedAdamW(ps, **kw), device, steps=6)
+
+    def switched(ps):
+        opt = FusedAdamW(ps, **kw)
+        original = opt.step
+
+        def step():  # capturable from the fourth step on
+            if opt.state and next(iter(opt.state.values()))["t"] == 3:
+                opt.capturable = True
+            return original()
+
+        opt.step = step
+        return opt
+
+    ours, opt = _run(switched, device, steps=6)
+    assert opt.state[ours[0]]["t"].item() == 6
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_prepare_capture_needs_a_capturable_optimizer_with_its_state():
+    p = [torch.nn.Parameter(torch.ones(4))]
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        FusedAdamW(p).prepare_capture()
+    p[0].grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="run a step first"):
+        FusedAdamW(p, capturable=True).prepare_capture()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("maths", ["cs336", "torch"])
+def test_a_capturable_step_replays_as_a_cuda_graph(maths):
+    """step() captured once (after prepare_capture) and replayed with new gradients takes the same steps as eager
+    steps of a twin optimizer; an optimizer that is not capturable refuses the capture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    starts = [torch.randn(shape, device="cuda") for shape in ((37,), (5, 300), (2049,))]
+    graphed = [torch.nn.Parameter(s.clone()) for s in starts]
+    eager = [torch.nn.Parameter(s.clone()) for s in starts]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, maths=maths, capturable=True)
+    opt, twin = FusedAdamW(graphed, **kw), FusedAdamW(eager, **kw)
+    grads = [torch.zeros_like(p) for p in graphed]  # the graph reads these addresses every replay
+    for p, q, g in zip(graphed, eager, grads):
+        p.grad, q.grad = g, g
+    opt.step()  # the state, made outside the capture
+    twin.step()
+    opt.prepare_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for seed in range(5):
+        for g in grads:
+            g.copy_(torch.randn(g.shape, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        twin.step()
+    for a, b in zip(graphed, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert opt.state[graphed[0]]["t"].item() == 6
+    plain = FusedAdamW([torch.nn.Parameter(torch.ones(8, device="cuda"))])
+    plain.param_groups[0]["params"][0].grad = torch.ones(8, device="cuda")
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            plain.step()

@@ -18,6 +18,13 @@ Two launch schemes (`multi_tensor`):
   with hundreds of small tensors then costs one launch, not hundreds.
 * per tensor: the same kernel launched once per parameter (for comparison and tests).
 Runs under TRITON_INTERPRET=1 on CPU tensors for the tests; on the CPU otherwise the same update in torch.
+
+`capturable=True` makes `step()` something a CUDA graph can hold (`cs336_systems.step_graph`): each parameter's step
+count is a device tensor (state "t"), advanced on the device, and the kernel forms the bias corrections from it, where
+the default passes them as host numbers that a graph would freeze at their capture-time values. The launch tables
+are device tensors built from host lists, which a capture cannot copy: `prepare_capture()` builds them for the
+gradients the captured backward left (outside the capture), and a capture that would need a new one is refused.
+The learning rate and weight decay are read on the host at capture, as torch's capturable AdamW reads a float lr.
 """
 
 from __future__ import annotations
@@ -40,12 +47,22 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, c_ptrs, sizes, block_tensor, block_start, decay,
-                                  beta1, beta2, eps, step_size, bias2_sqrt, P_DTYPE: tl.constexpr,
+    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, c_ptrs, t_ptrs, sizes, block_tensor, block_start,
+                                  decay, beta1, beta2, eps, step_size, bias2_sqrt, lr, P_DTYPE: tl.constexpr,
                                   G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
-                                  HAS_COPIES: tl.constexpr, TORCH_MATHS: tl.constexpr, BLOCK: tl.constexpr):
+                                  HAS_COPIES: tl.constexpr, TORCH_MATHS: tl.constexpr, CAPTURABLE: tl.constexpr,
+                                  BLOCK: tl.constexpr):
         block = tl.program_id(0)
         tensor = tl.load(block_tensor + block)
+        if CAPTURABLE:  # the bias corrections from the tensor's step count on the device (already advanced)
+            t = tl.load(tl.load(t_ptrs + tensor).to(tl.pointer_type(tl.float32)))
+            bias1 = 1.0 - tl.exp2(t * tl.log2(beta1))  # beta ** t; a beta of 0 gives log2 -inf, so 0
+            bias2 = 1.0 - tl.exp2(t * tl.log2(beta2))
+            bias2_sqrt = tl.sqrt(bias2)
+            if TORCH_MATHS:
+                step_size = lr / bias1
+            else:
+                step_size = lr * bias2_sqrt / bias1
         offs = tl.load(block_start + block) + tl.arange(0, BLOCK)
         mask = offs < tl.load(sizes + tensor)
         p_ptr = tl.load(p_ptrs + tensor).to(tl.pointer_type(P_DTYPE))
@@ -96,7 +113,8 @@ class FusedAdamW(torch.optim.Optimizer):
     """AdamW with the update in one Triton kernel over a group's parameters. State keys: m, v, t (as cs336_basics)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 *, maths: str = "cs336", state_dtype: torch.dtype = torch.float32, multi_tensor: bool = True):
+                 *, maths: str = "cs336", state_dtype: torch.dtype = torch.float32, multi_tensor: bool = True,
+                 capturable: bool = False):
         if maths not in MATHS:
             raise ValueError(f"FusedAdamW: maths must be one of {', '.join(MATHS)}, got {maths!r}")
         if state_dtype not in (torch.float32, torch.bfloat16):
@@ -105,6 +123,7 @@ class FusedAdamW(torch.optim.Optimizer):
             raise ValueError(f"FusedAdamW: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay}")
         self.maths, self.state_dtype, self.multi_tensor = maths, state_dtype, multi_tensor
+        self.capturable = capturable  # step counts on the device: step() can be captured in a CUDA graph
         self._tables_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # tensor addresses -> launch tables
         self._gradient_tables: dict[tuple, torch.Tensor] = {}  # gradient addresses -> their table, newest last
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -115,9 +134,39 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Host time matters here: a small model's CUDA-graph step is about 9 ms, and this loop visits every
-        # parameter each step. So each parameter's state is looked up once, its device checked on its first step
-        # (and again only if its gradient's device differs), its copy validated where the launch tables are built.
+        if not self.capturable and _capturing():
+            raise RuntimeError("FusedAdamW: step() is being captured in a CUDA graph, but this optimizer passes its "
+                               "bias corrections as host numbers that the graph would freeze: make it with "
+                               "capturable=True")
+        for group, batches in self._batches(initialise=True):
+            for params, states, copies in batches.values():
+                if self.capturable:
+                    torch._foreach_add_([state["t"] for state in states], 1.0)
+                else:
+                    for state in states:
+                        state["t"] += 1
+                self._launch(params, states, copies, group)
+        return loss
+
+    @torch.no_grad()
+    def prepare_capture(self) -> None:
+        """Build the launch tables for the parameters' current gradients, outside a CUDA graph's capture (which
+        cannot copy them to the device): call it after the captured backward, before capturing `step()`."""
+        if not self.capturable:
+            raise RuntimeError("FusedAdamW.prepare_capture: make the optimizer with capturable=True")
+        for _group, batches in self._batches(initialise=False):
+            for params, states, copies in batches.values():
+                if runs_kernel(params[0]):
+                    self._tables(params, states, copies)
+                    self._gradient_table(params)
+
+    def _batches(self, initialise: bool):
+        """(group, {launch key: (params, states, copies)}) per param group, over the parameters with gradients;
+        their state made where it is missing (`initialise`) or refused.
+
+        Host time matters here: a small model's CUDA-graph step is about 9 ms, and this loop visits every parameter
+        each step. So each parameter's state is looked up once, its device checked on its first step (and again
+        only if its gradient's device differs), its copy validated where the launch tables are built."""
         for group in self.param_groups:
             batches: dict[tuple, tuple[list, list, list]] = {}
             for p in group["params"]:
@@ -128,30 +177,34 @@ class FusedAdamW(torch.optim.Optimizer):
                     raise ValueError("FusedAdamW: parameters and gradients must be contiguous")
                 state = self.state[p]
                 if not state:
+                    if not initialise:
+                        raise RuntimeError("FusedAdamW.prepare_capture: run a step first (the state a graph updates "
+                                           "must exist before its capture)")
                     check_operator_device("FusedAdamW", p, grad)
                     state["m"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["v"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    state["t"] = 0
+                    state["t"] = torch.zeros((), dtype=torch.float32, device=p.device) if self.capturable else 0
                 elif grad.device != p.device:
                     check_operator_device("FusedAdamW", p, grad)
-                state["t"] += 1
+                if self.capturable and not isinstance(state["t"], torch.Tensor):  # (made capturable after steps)
+                    state["t"] = torch.tensor(float(state["t"]), dtype=torch.float32, device=p.device)
                 copy = getattr(p, "compute_copy", None)
-                # one launch per (device, dtypes, step count): the scalars are shared
-                key = (p.device, p.dtype, grad.dtype, None if copy is None else copy.dtype, state["t"])
+                # One launch per (device, dtypes, step count): the scalars are shared. Capturable: the step counts
+                # are read on the device, each tensor its own, so they need not match.
+                key = (p.device, p.dtype, grad.dtype, None if copy is None else copy.dtype,
+                       None if self.capturable else state["t"] + 1)
                 if not self.multi_tensor:
                     key += (len(batches),)
                 params, states, copies = batches.setdefault(key, ([], [], []))
                 params.append(p)
                 states.append(state)
                 copies.append(copy)
-            for key, (params, states, copies) in batches.items():
-                self._launch(params, states, copies, group, key[4])
-        return loss
+            yield group, batches
 
-    def _update_eagerly(self, params, states, copies, group, t: int) -> None:
+    def _update_eagerly(self, params, states, copies, group) -> None:
         """The kernel's update in torch, fp32 in between (the CPU without Triton's interpreter)."""
-        decay, beta1, beta2, eps, step_size, bias2_sqrt = self._scalars(group, t)
         for p, state, copy in zip(params, states, copies):
+            decay, beta1, beta2, eps, step_size, bias2_sqrt = self._scalars(group, int(state["t"]))
             g = p.grad.float()
             m = state["m"].float().mul_(beta1).add_(g, alpha=1 - beta1)
             v = state["v"].float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -169,11 +222,13 @@ class FusedAdamW(torch.optim.Optimizer):
         return 1 - lr * wd, beta1, beta2, eps, step_size, math.sqrt(bias2)
 
     def _tables(self, params, states, copies) -> tuple[torch.Tensor, ...]:
-        """(sizes, block tensor index, block start, p/m/v/copy addresses) of `params`, built once per set of
-        tensors (the copies checked against their parameters then)."""
-        key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel(), 0 if c is None else c.data_ptr())
+        """(sizes, block tensor index, block start, p/m/v/copy/step-count addresses) of `params`, built once per set
+        of tensors (the copies checked against their parameters then)."""
+        key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel(), 0 if c is None else c.data_ptr(),
+                     s["t"].data_ptr() if self.capturable else 0)
                     for p, s, c in zip(params, states, copies))
         if key not in self._tables_cache:
+            _refuse_while_capturing("its launch tables")
             for p, copy in zip(params, copies):
                 _check_copy(p, copy)
             device = params[0].device
@@ -188,7 +243,9 @@ class FusedAdamW(torch.optim.Optimizer):
                 torch.tensor(start_of_block, dtype=torch.int64, device=device),
                 _addresses(params, device), _addresses([s["m"] for s in states], device),
                 _addresses([s["v"] for s in states], device),
-                torch.tensor([0 if c is None else c.data_ptr() for c in copies], dtype=torch.int64, device=device))
+                torch.tensor([0 if c is None else c.data_ptr() for c in copies], dtype=torch.int64, device=device),
+                torch.tensor([s["t"].data_ptr() if self.capturable else 0 for s in states], dtype=torch.int64,
+                             device=device))
         return self._tables_cache[key]
 
     def _gradient_table(self, params) -> torch.Tensor:
@@ -198,25 +255,40 @@ class FusedAdamW(torch.optim.Optimizer):
         key = tuple(p.grad.data_ptr() for p in params)
         table = self._gradient_tables.pop(key, None)
         if table is None:
+            _refuse_while_capturing("the gradients' address table")
             table = _addresses([p.grad for p in params], params[0].device)
         self._gradient_tables[key] = table  # most recent last
         while len(self._gradient_tables) > GRADIENT_TABLES:
             self._gradient_tables.pop(next(iter(self._gradient_tables)))
         return table
 
-    def _launch(self, params, states, copies, group, t: int) -> None:
+    def _launch(self, params, states, copies, group) -> None:
         if not runs_kernel(params[0]):
             for p, copy in zip(params, copies):
                 _check_copy(p, copy)
-            self._update_eagerly(params, states, copies, group, t)
+            self._update_eagerly(params, states, copies, group)
             return
-        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr = self._tables(params, states, copies)
+        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr, t_addr = self._tables(params, states,
+                                                                                                copies)
         copy = next((c for c in copies if c is not None), None)  # (one batch: one copy dtype)
         if not block_tensor.numel():
             return
+        # Capturable: the step size and bias2_sqrt arguments are unused (the kernel forms them from the step count)
+        scalars = self._scalars(group, 1 if self.capturable else states[0]["t"])
         _kernel()[(block_tensor.numel(),)](
-            p_addr, self._gradient_table(params), m_addr, v_addr, c_addr,
-            sizes, block_tensor, block_start, *self._scalars(group, t),
+            p_addr, self._gradient_table(params), m_addr, v_addr, c_addr, t_addr,
+            sizes, block_tensor, block_start, *scalars, group["lr"],
             P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
             S_DTYPE=_tl_dtype(self.state_dtype), C_DTYPE=_tl_dtype(copy.dtype if copy is not None else torch.float32),
-            HAS_COPIES=copy is not None, TORCH_MATHS=self.maths == "torch", BLOCK=BLOCK)
+            HAS_COPIES=copy is not None, TORCH_MATHS=self.maths == "torch", CAPTURABLE=self.capturable, BLOCK=BLOCK)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_while_capturing(what: str) -> None:
+    if _capturing():
+        raise RuntimeError(f"FusedAdamW: a CUDA graph capture of step() needs {what} built first, and a capture "
+                           "cannot copy it to the device: call optimizer.prepare_capture() after the captured "
+                           "backward, before capturing step()")

@@ -42,6 +42,7 @@ from cs336_systems.recipe import (
     lm_head_loss,
 )
 from cs336_systems.results import ResultStore, format_table, pivot_table
+from cs336_systems.step_graph import StepGraph, make_capturable
 
 MODES = ("forward", "forward-backward", "train-step")
 PROVIDERS = ("ours", "baseline")
@@ -66,6 +67,7 @@ class ModelCase:
     weight_copies: bool = False  # ours, fused, fused AdamW, 16-bit autocast: the weights' copies (weight_copies.py)
     fused_loss: bool = False  # ours, fused: the loss by our fused LM head + cross-entropy (no logits held)
     skip_guards: bool = False  # compiled: the timed steps run without dynamo's guard checks (--skip-guards)
+    step_graph: bool = False  # the whole step captured as CUDA graphs and replayed (--step-graph)
 
     def model_config(self, overrides: dict) -> ModelConfig:
         return ModelConfig.from_name(self.preset, context_length=self.context, **overrides)
@@ -106,6 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compiled region's graph without checking its guards first (what they cost a small "
                              "model's host; safe here, where nothing they check changes between the timed steps). "
                              "Rows carry skip_guards")
+    parser.add_argument("--step-graph", type=common.list_of(str, ("on", "off"), "--step-graph"), default=["off"],
+                        help="CUDA only, both providers: capture each timed step whole as CUDA graphs after warm-up "
+                             "and replay it, so the host launches two graphs a step instead of every kernel "
+                             "(cs336_systems/step_graph.py; the optimizers switch to their capturable forms). on, "
+                             "off (default), or on,off; with --compile off or on (reduce-overhead's own graphs "
+                             "cannot nest inside one: that pairing is skipped). Rows carry step_graph")
     parser.add_argument("--fused-loss", type=common.list_of(str, ("on", "off"), "--fused-loss"), default=["on"],
                         help="with --fused, in forward-backward and train-step: our fused LM head + cross-entropy "
                              "on the hidden states (on, default: the (tokens, vocab) logits are never held, the "
@@ -156,8 +164,11 @@ def _overrides(args) -> dict:
 def cases(args) -> list[ModelCase]:
     contexts = args.context or [None]
     out = []
-    for preset, context, dtype, comp, provider in itertools.product(args.preset, contexts, args.dtype,
-                                                                      args.compile, args.provider):
+    step_graphs = dict.fromkeys(choice == "on" for choice in getattr(args, "step_graph", ["off"]))
+    for preset, context, dtype, comp, graphed, provider in itertools.product(args.preset, contexts, args.dtype,
+                                                                              args.compile, step_graphs, args.provider):
+        if graphed and comp == "reduce-overhead":  # (CUDA graphs within a CUDA graph's capture)
+            continue
         ctx = context or ModelConfig.from_name(preset).context_length
         attention = args.attention if provider == "ours" else "sdpa"  # the baseline always runs torch's SDPA
         policy = args.checkpoint if provider == "ours" else NO_CHECKPOINTING
@@ -172,7 +183,7 @@ def cases(args) -> list[ModelCase]:
                                  compile_scope=args.compile_scope if compiled else "-",
                                  compile_mode=("default" if comp == "on" else comp) if compiled else "-",
                                  weight_copies=copies, fused_loss=fused_loss,
-                                 skip_guards=compiled and args.skip_guards))
+                                 skip_guards=compiled and args.skip_guards and not graphed, step_graph=graphed))
     return out
 
 
@@ -183,6 +194,7 @@ class _Harness:
     def __init__(self, case: ModelCase, cfg: ModelConfig, device: torch.device, **recipe_options):
         self.case, self.cfg, self.device = case, cfg, device
         self.skipping_guards = False  # (from the first timed step on, with case.skip_guards)
+        self.step_graph: tuple[str, StepGraph] | None = None  # (mode, its captured step), with case.step_graph
         if case.compile:
             # Each compiled configuration starts from an empty dynamo cache: its first call then carries its own
             # compile, and a sweep never reaches dynamo's recompile limit (past it, calls run eagerly, silently).
@@ -213,6 +225,7 @@ class _Harness:
                 self.forward_model = torch.compile(self.model, mode=case.compile_mode)
         self.x = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
         self.y = torch.randint(0, cfg.vocab_size, (case.batch, case.context), device=device)
+        self.prepare_optimizer_capture = make_capturable(self.optimizer) if case.step_graph else None
 
     def start_timing(self) -> None:
         """Called after warm-up: the steps from here on are timed."""
@@ -222,6 +235,29 @@ class _Harness:
         return attention_context(self.recipe) if self.case.provider == "ours" else contextlib.nullcontext()
 
     def step_fn(self, mode: str, phase):
+        if self.case.step_graph:
+            return self._graphed_step(mode)
+        return self._eager_step(mode, phase)
+
+    def _graphed_step(self, mode: str):
+        """The mode's step captured as CUDA graphs on its first call (one per mode, the last mode's dropped: its
+        memory pool holds the step's activations); no phase ranges (events inside a graph are not timed)."""
+        if self.step_graph is None or self.step_graph[0] != mode:
+            self.step_graph = None
+            step = self._eager_step(mode, lambda name: contextlib.nullcontext())
+            if mode == "train-step":
+                def forward_backward():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    step.forward_backward()
+
+                graph = StepGraph([forward_backward, self.optimizer.step],
+                                  prepare=[None, self.prepare_optimizer_capture])
+            else:
+                graph = StepGraph([step])
+            self.step_graph = (mode, graph)
+        return self.step_graph[1]
+
+    def _eager_step(self, mode: str, phase):
         autocast = common.autocast_context(self.device, self.case.dtype)
         # CUDA graphs (reduce-overhead) reuse their output buffers from one replay to the next: each step says
         # where it begins, so a step's outputs are never read after the next step overwrote them.
@@ -255,6 +291,7 @@ class _Harness:
             with phase("optimizer"):
                 self.optimizer.step()
 
+        train_step.forward_backward = forward_backward  # (what a step graph captures apart from the optimizer)
         return {"forward": forward, "forward-backward": forward_backward, "train-step": train_step}[mode]
 
 
@@ -264,6 +301,17 @@ def run(args) -> int:
         raise SystemExit("--memory records CUDA allocator history; it needs --device cuda")
     overrides = _overrides(args)
     all_cases = cases(args)
+    if any(case.step_graph for case in all_cases):
+        if device.type != "cuda":
+            raise SystemExit(f"cs336-bench model: --step-graph on captures CUDA graphs; it needs --device cuda, "
+                             f"got {device.type}")
+        if "ours" in args.provider and args.optimizer != "fused" and "train-step" in args.mode:
+            raise SystemExit(f"cs336-bench model: --step-graph on with --mode train-step needs a capturable "
+                             f"optimizer for ours: --optimizer fused (got {args.optimizer}, whose step reads host "
+                             f"numbers a CUDA graph would freeze)")
+    if not all_cases:
+        raise SystemExit("cs336-bench model: no configuration to run (--step-graph on pairs only with --compile off "
+                         "or on)")
     for case in all_cases:  # validate every configuration before any work starts
         try:
             case.checkpoint.check_fits(case.model_config(overrides).num_layers, "--checkpoint")
@@ -294,7 +342,8 @@ def interleaved_groups(all_cases: list[ModelCase]) -> list[list[ModelCase]]:
     configuration, every form of it), in the order `cases` made them."""
     groups: dict[tuple, list[ModelCase]] = {}
     for case in all_cases:
-        key = (case.preset, case.context, case.batch, case.dtype, case.compile, case.compile_scope, case.compile_mode)
+        key = (case.preset, case.context, case.batch, case.dtype, case.compile, case.compile_scope, case.compile_mode,
+               case.step_graph)
         groups.setdefault(key, []).append(case)
     return list(groups.values())
 
@@ -595,11 +644,12 @@ def _print_table(store: ResultStore, args) -> None:
     frame = frame[frame["metric"].isin(["time", "mfu", "peak_allocated", "first_call_time"])]
     if "phase" in frame.columns:  # per-phase rows stay in the file, out of the summary
         frame = frame[frame["phase"].isna()]
-    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "provider",
+    index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "step_graph",
+                         "provider",
                          "attention", "checkpoint", "fused", "optimizer", "weight_copies", "fused_loss", "mode")
              if c in frame.columns]
     frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode", "weight_copies",
-                                           "fused_loss")
+                                           "fused_loss", "step_graph")
                           if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]

@@ -23,9 +23,12 @@ def _cards(rows: pd.DataFrame) -> list[pd.DataFrame]:
 
 
 def _execution_mode(rows: pd.DataFrame) -> pd.Series:
-    """eager, compiled (torch.compile) or CUDA graphs (torch.compile's reduce-overhead) of each row."""
+    """eager, compiled (torch.compile) or CUDA graphs (torch.compile's reduce-overhead) of each row; "step graph"
+    after eager or compiled where the whole step was captured as CUDA graphs (`--step-graph on`)."""
     mode = col(rows, "compile_mode", "default").fillna("default").map(lambda m: MODE_NAMES.get(m, m))
-    return mode.where(col(rows, "compile", False).fillna(False).astype(bool), "eager")
+    mode = mode.where(col(rows, "compile", False).fillna(False).astype(bool), "eager")
+    graphed = col(rows, "step_graph", False).astype(object).eq(True)
+    return mode.where(~graphed, mode + ", step graph")
 
 
 def fused_model_path(doc: Document, r: Results) -> None:
@@ -95,7 +98,9 @@ def _size_table(doc: Document, r: Results, step: pd.DataFrame, figure: str) -> i
     doc.add(Paragraph("`cs336-bench model --preset small,medium,large,xl --context 128,512,2048 --dtype bf16 "
                       "--attention triton --fused --optimizer fused --mode train-step --provider ours,baseline "
                       "--compile off` (eager), then `--compile on,reduce-overhead --compile-scope block` (each block "
-                      "compiled; reduce-overhead replays the compiled graphs as CUDA graphs): median train step, "
+                      "compiled; reduce-overhead replays the compiled graphs as CUDA graphs), and `--step-graph on` "
+                      "with `--compile off,on` (the whole step captured as CUDA graphs, both providers, the "
+                      "optimizers in their capturable forms: `cs336_systems/step_graph.py`): median train step, "
                       f"batch {shared_value(rows['batch'])}, bf16 autocast; ours and the baseline in the same run. "
                       + environment(rows)))
     doc.add(Table(wide.round({"ours": 1, "baseline": 1}).rename(columns={"ours": "ours ms", "baseline": "baseline ms"}),
@@ -118,8 +123,10 @@ def _size_table(doc: Document, r: Results, step: pd.DataFrame, figure: str) -> i
         f"each side's best mode, ours / baseline ranges {best_ratio.min():.2f}-{best_ratio.max():.2f} (target: at "
         f"most {BEST_MODE_TARGET}); the eager ratios range "
         + _range(current[current["mode"] == "eager"]["ours / baseline"]) + ", the compiled ones "
-        + _range(current[current["mode"] == "compiled"]["ours / baseline"]) + " and the CUDA-graph ones "
-        + _range(current[current["mode"] == "CUDA graphs"]["ours / baseline"]) + "."))
+        + _range(current[current["mode"] == "compiled"]["ours / baseline"]) + ", the CUDA-graph ones "
+        + _range(current[current["mode"] == "CUDA graphs"]["ours / baseline"]) + " and those of the whole step "
+        "captured (step graph, eager or compiled) "
+        + _range(current[current["mode"].str.endswith("step graph")]["ours / baseline"]) + "."))
     return len(wide)
 
 

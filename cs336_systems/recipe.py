@@ -97,13 +97,31 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
     apply_checkpointing(model, recipe.checkpoint)
     if recipe.compile == "block":
         for block in model.layers:
-            block.compile(mode=recipe.compile_mode)  # in place; identical blocks share one compiled graph
+            block.compile(options=compile_options(recipe))  # in place; identical blocks share one compiled graph
     return model
+
+
+def skip_guards_on_our_globals(entries) -> list[bool]:
+    """dynamo's guard filter for our compiled code: keep every guard but those on the globals of our own package's
+    modules (`cs336_systems`: our kernels' wrappers, their constants and operators, the fused forms' helpers), which
+    nothing rebinds once imported. A small model's step is host-bound, and those guards are most of what dynamo
+    checks before each call of our compiled block where the baseline's has few (notes/model_sizes.md). Guards on
+    torch's and cs336_basics' globals stay: `attention_context` swaps the model's attention function, a
+    cs336_basics global, and a block compiled under one attention must not run under another."""
+    return [not (entry.is_global and "__import_cs336_systems" in entry.name) for entry in entries]
+
+
+def compile_options(recipe: Recipe) -> dict:
+    """torch.compile's options for the recipe's mode (as `mode=` would set them) and our guard filter."""
+    import torch._inductor
+
+    return dict(torch._inductor.list_mode_options(recipe.compile_mode)) | {
+        "guard_filter_fn": skip_guards_on_our_globals}
 
 
 def forward_of(model: nn.Module, recipe: Recipe) -> nn.Module:
     """What to call for the model's forward: torch.compile of the whole model where compile is "model"."""
-    return torch.compile(model, mode=recipe.compile_mode) if recipe.compile == "model" else model
+    return torch.compile(model, options=compile_options(recipe)) if recipe.compile == "model" else model
 
 
 def hidden_states(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -123,7 +141,7 @@ def hidden_forward_of(model: nn.Module, recipe: Recipe):
     """tokens -> the hidden states `lm_head_loss` reads (what `forward_of` is for the logits): torch.compile of the
     whole of it where compile is "model"."""
     forward = functools.partial(hidden_states, model)
-    return torch.compile(forward, mode=recipe.compile_mode) if recipe.compile == "model" else forward
+    return torch.compile(forward, options=compile_options(recipe)) if recipe.compile == "model" else forward
 
 
 def lm_head_loss(model: nn.Module, hidden: torch.Tensor, targets: torch.Tensor,

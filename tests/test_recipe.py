@@ -66,3 +66,39 @@ def test_no_suite_assembles_our_stack_itself():
     offenders = [f"{path.name}:{number}" for path in sorted(bench.glob("*.py"))
                  for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert offenders == []
+
+
+def test_compiled_blocks_keep_guards_on_the_attention_but_not_on_our_packages_globals(monkeypatch):
+    """Our compiled blocks run without dynamo's guards on our own modules' globals (constants and helpers nothing
+    rebinds: rebinding one here does not recompile), and with those on torch's and cs336_basics' (the attention a
+    context installs: swapping it recompiles, so a block never runs the attention it was not compiled with)."""
+    import cs336_systems.kernels.rmsnorm as rmsnorm_module
+    from cs336_systems.recipe import skip_guards_on_our_globals
+
+    class Entry:
+        def __init__(self, name, is_global=True):
+            self.name, self.is_global = name, is_global
+
+    assert skip_guards_on_our_globals([Entry("G['__import_cs336_systems_dot_kernels_dot_rmsnorm'].MAX_D"),
+                                       Entry("G['scaled_dot_product_attention']"), Entry("L['x']", False)]) == [
+        False, True, True]
+    torch._dynamo.reset()
+    cfg = ModelConfig.from_name("tiny", context_length=16, num_layers=2)
+    recipe = Recipe(attention="triton", fused=True, fused_rope=True, compile="block")
+    model = build_model(cfg, recipe, "cpu")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    frames = torch._dynamo.utils.counters["stats"]
+
+    def compiles_after(run) -> int:
+        before = frames["unique_graphs"]
+        run()
+        return frames["unique_graphs"] - before
+
+    with attention_context(recipe):
+        assert compiles_after(lambda: model(tokens)) >= 1
+        assert compiles_after(lambda: model(tokens)) == 0
+        monkeypatch.setattr(rmsnorm_module, "MAX_D", rmsnorm_module.MAX_D + 1)  # read in our traced wrapper
+        assert compiles_after(lambda: model(tokens)) == 0
+    with attention_context(Recipe(attention="reference")):
+        assert compiles_after(lambda: model(tokens)) >= 1
+    torch._dynamo.reset()

@@ -126,6 +126,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self.capturable = capturable  # step counts on the device: step() can be captured in a CUDA graph
         self._tables_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # tensor addresses -> launch tables
         self._gradient_tables: dict[tuple, torch.Tensor] = {}  # gradient addresses -> their table, newest last
+        self._captured_gradient_tables: list[torch.Tensor] = []  # those a captured step reads (prepare_capture)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -158,7 +159,9 @@ class FusedAdamW(torch.optim.Optimizer):
             for params, states, copies in batches.values():
                 if runs_kernel(params[0]):
                     self._tables(params, states, copies)
-                    self._gradient_table(params)
+                    # held here for good: a graph reads this table's memory at every replay, so the gradient
+                    # tables' eviction (GRADIENT_TABLES) must never free it
+                    self._captured_gradient_tables.append(self._gradient_table(params))
 
     def _batches(self, initialise: bool):
         """(group, {launch key: (params, states, copies)}) per param group, over the parameters with gradients;

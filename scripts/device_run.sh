@@ -316,6 +316,31 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
         --results-dir "$R" 2>&1 | tail -30
       ;;
     session51)
+      # The step graph at the other contexts (~6 min): small and medium at ctx 128 and 2048, eager and compiled per
+      # block with the step graph, ours against the baseline, 2 interleaved rounds; then large at ctx 2048.
+      timeout 250 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
+        --compile off,on --step-graph on --compile-scope block --provider ours,baseline --attention triton \
+        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
+        --results-dir "$R" 2>&1 | tail -20
+      timeout 100 python3 -m cs336_systems.bench model --preset large --context 2048 --dtype bf16 \
+        --compile off --step-graph on --compile-scope block --provider ours,baseline --attention triton \
+        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" \
+        2>&1 | tail -8
+      ;;
+    session50)
+      # The whole step captured as CUDA graphs (~9 min, H100 or H200): its GPU tests (graphed train steps of both
+      # providers against eager twins, FusedAdamW's capturable form) and the fused forms as subclasses (session49's);
+      # then small, medium and large at ctx 512, eager and compiled per block, with and without the step graph, ours
+      # against the baseline, 2 interleaved rounds.
+      gpu_tests session50 120 tests/test_step_graph.py tests/test_kernels_adamw.py
+      gpu_tests session49 100 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
+        -k "rope or rmsnorm or fused or opcheck_kernels or compiles_with_the_kernels or cuda_graph or copies"
+      timeout 320 python3 -m cs336_systems.bench model --preset small,medium,large --context 512 --dtype bf16 \
+        --compile off,on --step-graph on,off --compile-scope block --provider ours,baseline --attention triton \
+        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
+        --results-dir "$R" 2>&1 | tail -30
+      ;;
+    session51)
       # The step graph at the other contexts (~8 min): small, medium and large at ctx 128 and 2048, eager and
       # compiled per block with the step graph, ours against the baseline, 2 interleaved rounds; xl at ctx 512.
       timeout 380 python3 -m cs336_systems.bench model --preset small,medium,large --context 128,2048 --dtype bf16 \

@@ -128,3 +128,65 @@ def test_the_model_suite_times_graphed_steps_of_both_providers(tmp_path):
     assert sorted((r["provider"], r["config"]["mode"]) for r in times) == [
         ("baseline", "forward"), ("baseline", "train-step"), ("ours", "forward"), ("ours", "train-step")]
     assert all(r["status"] == "ok" and r["config"]["step_graph"] and r["median"] > 0 for r in times), times
+
+
+def test_step_graph_warms_up_then_captures_each_part_after_its_preparation(monkeypatch):
+    """The order a capture needs, on any machine (CUDA's graph calls recorded, not made): `warmup` eager steps of
+    every part on a side stream; then per part its `prepare` (outside any capture), its capture into the pool of the
+    part before; later calls only replay, in the parts' order."""
+    events = []
+
+    class Graph:
+        count = 0
+
+        def __init__(self):
+            Graph.count += 1
+            self.name = f"graph{Graph.count}"
+
+        def pool(self):
+            return f"pool of {self.name}"
+
+        def replay(self):
+            events.append(f"replay {self.name}")
+
+    capturing = []
+
+    class Capture:
+        def __init__(self, graph, pool=None):
+            self.graph, self.pool = graph, pool
+
+        def __enter__(self):
+            capturing.append(self.graph)
+            events.append(f"capture {self.graph.name} into {self.pool}")
+
+        def __exit__(self, *exc):
+            capturing.pop()
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("synchronize"))
+
+    def part(name):
+        def run():
+            events.append(f"{name}{' (captured)' if capturing else ''}")
+            return name
+        return run
+
+    step = StepGraph([part("a"), part("b")], prepare=[None, lambda: events.append("prepare b")], warmup=2)
+    assert not step.captured
+    assert step() == ["a", "b"] and step.captured
+    assert events == ["a", "b", "a", "b", "synchronize",
+                      "capture graph1 into None", "a (captured)",
+                      "prepare b", "capture graph2 into pool of graph1", "b (captured)",
+                      "replay graph1", "replay graph2"]
+    events.clear()
+    step()
+    assert events == ["replay graph1", "replay graph2"]

@@ -60,6 +60,18 @@ every_size() {
     --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" "$@" 2>&1 | tail -40
 }
 
+# The whole step captured as CUDA graphs (--step-graph) beside the eager and compiled (per block) steps, ours against
+# the baseline, train step, bf16; EXTRA passes more model-suite options (e.g. --rounds 2).
+#   step_graph_sizes SECONDS PRESETS CONTEXTS COMPILES STEP_GRAPHS [EXTRA...]
+step_graph_sizes() {
+  local limit=$1 presets=$2 contexts=$3 compiles=$4 graphs=$5
+  shift 5
+  timeout "$limit" python3 -m cs336_systems.bench model --preset "$presets" --context "$contexts" --dtype bf16 \
+    --compile "$compiles" --step-graph "$graphs" --compile-scope block --provider ours,baseline --attention triton \
+    --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" "$@" 2>&1 \
+    | tail -30
+}
+
 # A fresh copy of the tree at /tmp/NAME, for a variant of it (a patch applied, files copied over).
 #   scratch_tree NAME
 scratch_tree() {
@@ -305,26 +317,18 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
     session50-tests)
       # The step graph's first GPU check (~3 min): its and FusedAdamW's GPU tests, then small eager with and without it.
       gpu_tests session50 90 tests/test_step_graph.py tests/test_kernels_adamw.py
-      timeout 80 python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 --compile off \
-        --step-graph on,off --provider ours,baseline --attention triton --fused --optimizer fused --mode train-step \
-        --warmup 3 --steps 8 --warmup-s 0.5 --no-progress --results-dir "$R" 2>&1 | tail -8
+      step_graph_sizes 80 small 512 off on,off --warmup-s 0.5
       ;;
     session50-min)
       # The least of session50 (~4 min): the step graph's and FusedAdamW's GPU tests, then small alone.
       gpu_tests session50 80 tests/test_step_graph.py tests/test_kernels_adamw.py
-      timeout 150 python3 -m cs336_systems.bench model --preset small --context 512 --dtype bf16 \
-        --compile off,on --step-graph on,off --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -12
+      step_graph_sizes 150 small 512 off,on on,off --rounds 2
       ;;
     session50-short)
       # session50 in about six minutes, where little device time is left: the step graph's and FusedAdamW's GPU
       # tests, then small and medium only.
       gpu_tests session50 100 tests/test_step_graph.py tests/test_kernels_adamw.py
-      timeout 230 python3 -m cs336_systems.bench model --preset small,medium --context 512 --dtype bf16 \
-        --compile off,on --step-graph on,off --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -20
+      step_graph_sizes 230 small,medium 512 off,on on,off --rounds 2
       ;;
     session50)
       # The whole step captured as CUDA graphs (~9 min, H100 or H200): its GPU tests (graphed train steps of both
@@ -334,47 +338,13 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session50 120 tests/test_step_graph.py tests/test_kernels_adamw.py
       gpu_tests session49 100 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
         -k "rope or rmsnorm or fused or opcheck_kernels or compiles_with_the_kernels or cuda_graph or copies"
-      timeout 320 python3 -m cs336_systems.bench model --preset small,medium,large --context 512 --dtype bf16 \
-        --compile off,on --step-graph on,off --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -30
+      step_graph_sizes 320 small,medium,large 512 off,on on,off --rounds 2
       ;;
     session51)
       # The step graph at the other contexts (~6 min): small and medium at ctx 128 and 2048, eager and compiled per
       # block with the step graph, ours against the baseline, 2 interleaved rounds; then large at ctx 2048.
-      timeout 250 python3 -m cs336_systems.bench model --preset small,medium --context 128,2048 --dtype bf16 \
-        --compile off,on --step-graph on --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -20
-      timeout 100 python3 -m cs336_systems.bench model --preset large --context 2048 --dtype bf16 \
-        --compile off --step-graph on --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" \
-        2>&1 | tail -8
-      ;;
-    session50)
-      # The whole step captured as CUDA graphs (~9 min, H100 or H200): its GPU tests (graphed train steps of both
-      # providers against eager twins, FusedAdamW's capturable form) and the fused forms as subclasses (session49's);
-      # then small, medium and large at ctx 512, eager and compiled per block, with and without the step graph, ours
-      # against the baseline, 2 interleaved rounds.
-      gpu_tests session50 120 tests/test_step_graph.py tests/test_kernels_adamw.py
-      gpu_tests session49 100 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
-        -k "rope or rmsnorm or fused or opcheck_kernels or compiles_with_the_kernels or cuda_graph or copies"
-      timeout 320 python3 -m cs336_systems.bench model --preset small,medium,large --context 512 --dtype bf16 \
-        --compile off,on --step-graph on,off --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -30
-      ;;
-    session51)
-      # The step graph at the other contexts (~8 min): small, medium and large at ctx 128 and 2048, eager and
-      # compiled per block with the step graph, ours against the baseline, 2 interleaved rounds; xl at ctx 512.
-      timeout 380 python3 -m cs336_systems.bench model --preset small,medium,large --context 128,2048 --dtype bf16 \
-        --compile off,on --step-graph on --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --rounds 2 --no-progress \
-        --results-dir "$R" 2>&1 | tail -30
-      timeout 120 python3 -m cs336_systems.bench model --preset xl --context 512 --dtype bf16 \
-        --compile off,on --step-graph on --compile-scope block --provider ours,baseline --attention triton \
-        --fused --optimizer fused --mode train-step --warmup 3 --steps 8 --no-progress --results-dir "$R" \
-        2>&1 | tail -8
+      step_graph_sizes 250 small,medium 128,2048 off,on on --rounds 2
+      step_graph_sizes 100 large 2048 off on
       ;;
     session49)
       # The next session's first call (~8 min, H100 or H200): the fused forms as subclasses (the twentieth session, CPU

@@ -164,7 +164,7 @@ def _overrides(args) -> dict:
 def cases(args) -> list[ModelCase]:
     contexts = args.context or [None]
     out = []
-    step_graphs = dict.fromkeys(choice == "on" for choice in getattr(args, "step_graph", ["off"]))
+    step_graphs = dict.fromkeys(choice == "on" for choice in args.step_graph)
     for preset, context, dtype, comp, graphed, provider in itertools.product(args.preset, contexts, args.dtype,
                                                                               args.compile, step_graphs, args.provider):
         if graphed and comp == "reduce-overhead":  # (CUDA graphs within a CUDA graph's capture)
@@ -244,16 +244,18 @@ class _Harness:
         memory pool holds the step's activations); no phase ranges (events inside a graph are not timed)."""
         if self.step_graph is None or self.step_graph[0] != mode:
             self.step_graph = None
-            step = self._eager_step(mode, lambda name: contextlib.nullcontext())
-            if mode == "train-step":
-                def forward_backward():
-                    self.optimizer.zero_grad(set_to_none=True)
-                    step.forward_backward()
+            no_phase = lambda name: contextlib.nullcontext()  # noqa: E731
+            if mode == "train-step":  # the optimizer in a graph of its own (StepGraph's docstring says why)
+                forward_backward = self._eager_step("forward-backward", no_phase)
 
-                graph = StepGraph([forward_backward, self.optimizer.step],
+                def zero_grad_forward_backward():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    forward_backward()
+
+                graph = StepGraph([zero_grad_forward_backward, self.optimizer.step],
                                   prepare=[None, self.prepare_optimizer_capture])
             else:
-                graph = StepGraph([step])
+                graph = StepGraph([self._eager_step(mode, no_phase)])
             self.step_graph = (mode, graph)
         return self.step_graph[1]
 
@@ -291,7 +293,6 @@ class _Harness:
             with phase("optimizer"):
                 self.optimizer.step()
 
-        train_step.forward_backward = forward_backward  # (what a step graph captures apart from the optimizer)
         return {"forward": forward, "forward-backward": forward_backward, "train-step": train_step}[mode]
 
 

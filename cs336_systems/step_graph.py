@@ -6,7 +6,8 @@ take as long as the GPU's work (notes/model_sizes.md). torch.compile's reduce-ov
 as a graph, but everything between the regions (the loss, the optimizer, autograd's engine) still runs on the host.
 Captured whole, a step costs the host a replay; then the step takes the GPU's time.
 
-    graphed = StepGraph([forward_backward, optimizer.step], prepare=[None, optimizer.prepare_capture])
+    graphed = StepGraph([forward_backward, optimizer.step],
+                        prepare=[lambda: optimizer.zero_grad(set_to_none=True), optimizer.prepare_capture])
     for batch in batches:
         tokens.copy_(batch)   # the graph reads its inputs from fixed tensors
         graphed()             # the first call warms up and captures; later calls replay
@@ -15,9 +16,10 @@ Captured whole, a step costs the host a replay; then the step takes the GPU's ti
 in the second, so that an optimizer which builds host-side tables from the gradients' addresses
 (`FusedAdamW.prepare_capture`) can do so between the captures, once the captured backward has placed the gradients.
 What the graph reads and writes stays at the addresses it had during the capture: inputs are copied into the tensors
-the step reads; the gradients live in the graphs' pool (set them to None before the first part's capture, as the
-step's own `zero_grad(set_to_none=True)` does); the optimizer's state must exist before its capture (the warm-up
-steps make it). Outputs (a loss) are overwritten by the next replay.
+the step reads; the gradients live in the graphs' pool (the step's own `zero_grad(set_to_none=True)` places them
+there; drop the warm-up's in the first part's `prepare` too: freed inside the capture, they would stay in the
+ordinary pool beside the graph's, one set of gradients more at the capture's peak); the optimizer's state must exist
+before its capture (the warm-up steps make it). Outputs (a loss) are overwritten by the next replay.
 
 Before capturing, `warmup` eager steps run on a side stream (torch.compile compiles, Triton autotunes, the allocator
 settles there, as PyTorch's CUDA-graph notes ask). A step that synchronises with the host, or allocates pinned

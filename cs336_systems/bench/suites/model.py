@@ -252,8 +252,11 @@ class _Harness:
                     self.optimizer.zero_grad(set_to_none=True)
                     forward_backward()
 
+                # The warm-up's gradients are dropped before the capture, not inside it: freed there they would
+                # stay in the ordinary pool beside the graph's, one set of gradients more at the capture's peak.
                 graph = StepGraph([zero_grad_forward_backward, self.optimizer.step],
-                                  prepare=[None, self.prepare_optimizer_capture])
+                                  prepare=[lambda: self.optimizer.zero_grad(set_to_none=True),
+                                           self.prepare_optimizer_capture])
             else:
                 graph = StepGraph([self._eager_step(mode, no_phase)])
             self.step_graph = (mode, graph)

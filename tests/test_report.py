@@ -374,6 +374,28 @@ def test_stack_profile_puts_each_phase_and_kind_of_work_beside_the_baseline(tmp_
     assert first.rstrip(" |").endswith("8")  # ours' largest excess, listed first
 
 
+def test_stack_profile_shows_each_configuration_from_its_own_latest_run_in_size_order(tmp_path):
+    """Profiles of large and small in runs of their own: both get tables (the later run does not hide the earlier
+    configuration), small first; a configuration profiled twice shows its later run."""
+    rows = []
+    for run, preset, matmul, stamp in (("r1", "small", 1.0, "01"), ("r2", "small", 2.0, "02"),
+                                       ("r3", "large", 30.0, "03")):
+        shape = dict(preset=preset, context=512, batch=4, dtype="bf16", mode="train-step", compile=True,
+                     attention="triton", fused=True, optimizer="fused")
+        for provider in ("ours", "baseline"):
+            rows += [_row("model", provider, "phase_time", 50.0, phase="forward", **shape),
+                     _row("model", provider, "profile_category_time", matmul, range="forward", category="matmul",
+                          **shape)]
+            for row in rows[-2:]:
+                row.update(run_id=run, timestamp=f"2026-12-{stamp}T00:00:00+00:00", device="cuda")
+    text = _report_from(tmp_path, "model", rows)
+    section = text[text.index("## Where our step's time goes"):text.index("## Fused LM head")]
+    assert section.index("*small, context 512, compiled: ms per step*") < section.index(
+        "*large, context 512, compiled: ms per step*")
+    matmul = [line for line in section.splitlines() if line.startswith("| matmul")]
+    assert [float(line.strip(" |").split("|")[1]) for line in matmul] == [2.0, 30.0]  # small's later run, then large
+
+
 def test_nsys_answers_take_each_configuration_from_its_own_rows(tmp_path):
     """One command profiles several configurations in one run: each table row holds its own configuration's
     forward time, top kernel and calls, not the run's last or summed ones."""

@@ -181,9 +181,10 @@ PHASE_OF_RANGE = {"attention/scores": "forward", "attention/softmax": "forward",
 
 
 def stack_profile(doc: Document, r: Results) -> None:
-    """Issue 32: where our step's time goes against the baseline's, from one profiled run of both: per phase the
-    time the timed steps spent (phase_time) beside the kernels' own time in it (profile_category_time; the gap is
-    the device waiting on the host), and per kind of work the kernel time of each."""
+    """Issue 32: where our step's time goes against the baseline's, per profiled configuration from its latest run of
+    both providers: per phase the time the timed steps spent (phase_time) beside the kernels' own time in it
+    (profile_category_time; the gap is the device waiting on the host), and per kind of work the kernel time of
+    each."""
     doc.add(Heading("Where our step's time goes, against the baseline's"))
     model = r.frame("model")
     cats = model[(col(model, "metric") == "profile_category_time") & (col(model, "device") == "cuda")]
@@ -193,9 +194,13 @@ def stack_profile(doc: Document, r: Results) -> None:
     if not both:
         return r.note_missing(doc, "stack profile", "a profile of ours and the baseline in one run (`bash "
                               "scripts/device_run.sh model-sizes-profile`, GPU)")
-    run = cats[cats["run_id"].isin(both)].sort_values("timestamp")["run_id"].iloc[-1]
-    cats = cats[cats["run_id"] == run]
-    for (preset, context, compiled), part in cats.groupby(["preset", "context", "compile"]):
+    cats = cats[cats["run_id"].isin(both)]
+    groups = sorted(cats.groupby(["preset", "context", "compile"]),
+                    key=lambda item: (PRESET_ORDER.index(item[0][0]) if item[0][0] in PRESET_ORDER else len(
+                        PRESET_ORDER), item[0][0], item[0][1], item[0][2]))
+    for (preset, context, compiled), configuration in groups:
+        run = configuration.sort_values("timestamp")["run_id"].iloc[-1]  # each configuration's latest profile
+        part = configuration[configuration["run_id"] == run]
         phases = rows_of(model, metric="phase_time", run_id=run, preset=preset, context=context, compile=compiled)
         by_phase = part.assign(phase=part["range"].map(lambda n: PHASE_OF_RANGE.get(n, n)))
         kernel = by_phase.groupby(["phase", "provider"])["median"].sum().unstack("provider")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session55, session54, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -352,6 +352,10 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       timeout 200 python3 -m cs336_systems.bench model --preset medium,large --context 2048 --dtype bf16 --compile on \
         --compile-scope block --provider ours,baseline --attention triton --fused --optimizer fused \
         --mode train-step --profile --no-progress --results-dir "$R" 2>&1 | tail -6
+      ;;
+    session53-sizes)
+      # The least of session53 (~3 min, H200): every size at ctx 512, compiled with the step graph, both providers.
+      step_graph_sizes 170 small,medium,large,xl 512 on on
       ;;
     session53-short)
       # session53 where less device time is left (~6 min, H200): compiled with the step graph only, then the 8B step.

@@ -2,6 +2,8 @@
 suite's choices and refusals on any machine; on a GPU, graphed steps of our stack and of the baseline take the same
 steps as eager twins, parameters and optimizer state alike."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -58,8 +60,6 @@ def _twin_runs(provider: str, compiled: bool):
     maths, after the same six train steps: three on one batch (the graphed one's warm-up), a fourth on it (its first
     replay), then two on new batches (so a replay that reused stale gradients would show). Returns (graphed,
     eager, the weights at the start)."""
-    import contextlib
-
     from cs336_systems.bench.suites.model import ModelCase, _Harness
     from cs336_systems.config import ModelConfig
 
@@ -171,7 +171,7 @@ def test_step_graph_warms_up_then_captures_each_part_after_its_preparation(monke
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("synchronize"))
 
     def part(name):

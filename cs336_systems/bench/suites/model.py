@@ -247,16 +247,16 @@ class _Harness:
             no_phase = lambda name: contextlib.nullcontext()  # noqa: E731
             if mode == "train-step":  # the optimizer in a graph of its own (StepGraph's docstring says why)
                 forward_backward = self._eager_step("forward-backward", no_phase)
+                drop_gradients = functools.partial(self.optimizer.zero_grad, set_to_none=True)
 
                 def zero_grad_forward_backward():
-                    self.optimizer.zero_grad(set_to_none=True)
+                    drop_gradients()
                     forward_backward()
 
                 # The warm-up's gradients are dropped before the capture, not inside it: freed there they would
                 # stay in the ordinary pool beside the graph's, one set of gradients more at the capture's peak.
                 graph = StepGraph([zero_grad_forward_backward, self.optimizer.step],
-                                  prepare=[lambda: self.optimizer.zero_grad(set_to_none=True),
-                                           self.prepare_optimizer_capture])
+                                  prepare=[drop_gradients, self.prepare_optimizer_capture])
             else:
                 graph = StepGraph([self._eager_step(mode, no_phase)])
             self.step_graph = (mode, graph)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from cs336_basics.model import CausalMultiHeadSelfAttention, Linear, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock
-from cs336_systems.kernels.rmsnorm import rmsnorm
+from cs336_systems.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from cs336_systems.kernels.rope import rope as fused_rope
 from cs336_systems.kernels.rope import rope_pair as fused_rope_pair
 from cs336_systems.kernels.swiglu import silu_mul, silu_mul_packed
@@ -56,13 +56,29 @@ def _fused_rmsnorm_forward(self, x):
     return rmsnorm(x, self.weight, self.eps)
 
 
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def _fused_block_norm_forward(self, x):
     # A block's two norms feed products only (Q/K/V, w1/w3), which autocast casts to its dtype: the kernel stores
     # that dtype itself (the same values, one rounding of the fp32 result), with no fp32 output and cast kernel
     # going forward nor the gradient's cast back.
-    device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    return rmsnorm(x, self.weight, self.eps, out_dtype=dtype)
+    return rmsnorm(x, self.weight, self.eps, out_dtype=_autocast_dtype(x))
+
+
+def _fused_block_forward(self, x):
+    # The residual add before the second norm is fused into it (`add_rmsnorm`): one pass writes the sum and its norm
+    # going forward, one pass the norm's gradient joined with the residual path's going backward. A second norm
+    # with hooks (FSDP's exact mode records its input and output gradient; SavedTensorLog labels by module) is
+    # called as its module instead, so they see it.
+    delta = self.attn(self.ln1(x))
+    if type(self.ln2) is not FusedBlockRMSNorm or self.ln2._forward_hooks or self.ln2._forward_pre_hooks:
+        h = x + delta
+        return h + self.ffn(self.ln2(h))
+    h, normed = add_rmsnorm(x, delta, self.ln2.weight, self.ln2.eps, out_dtype=_autocast_dtype(x))
+    return h + self.ffn(normed)
 
 
 def _fused_swiglu_forward(self, x):
@@ -293,6 +309,10 @@ class FusedSwiGLU(SwiGLU):
     forward = _fused_swiglu_forward
 
 
+class FusedTransformerBlock(TransformerBlock):
+    forward = _fused_block_forward
+
+
 class MergedSwiGLU(SwiGLU):
     forward = _merged_swiglu_forward
 
@@ -323,16 +343,20 @@ _ATTENTION_CLASSES = {(True, True): MergedQKVFusedRoPEAttention, (True, False): 
                       (False, True): FusedRoPEAttention, (False, False): CausalMultiHeadSelfAttention}
 
 
-def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True) -> nn.Module:
+def apply_fused_kernels(model: nn.Module, *, rope: bool = False, merge_projections: bool = True,
+                        residual_norm: bool = True) -> nn.Module:
     """Install the fused RMSNorm and SwiGLU gate (and, with `rope`, RoPE) on every such module of
-    `model`, the layout-keeping product on every Linear, and (`merge_projections`) one Q/K/V product per attention
-    and one w1/w3 product per SwiGLU; returns `model`. Each module becomes an instance of the fused subclass of its
+    `model`, the layout-keeping product on every Linear, (`merge_projections`) one Q/K/V product per attention
+    and one w1/w3 product per SwiGLU, and (`residual_norm`) each block's mid-block residual add fused into its second
+    norm; returns `model`. Each module becomes an instance of the fused subclass of its
     class (above): parameters, buffers, names and the state dict are untouched."""
     patched = 0
     block_norms = {id(norm) for block in model.modules() if isinstance(block, TransformerBlock)
                    for norm in (block.ln1, block.ln2)}
     for module in model.modules():
-        if isinstance(module, CausalMultiHeadSelfAttention):
+        if type(module) is TransformerBlock and residual_norm:
+            module.__class__ = FusedTransformerBlock
+        elif isinstance(module, CausalMultiHeadSelfAttention):
             if merge_projections:
                 _make_consecutive([module.q_proj.weight, module.k_proj.weight, module.v_proj.weight])
             module.__class__ = _ATTENTION_CLASSES[merge_projections, rope and module.positional_encoder is not None]

@@ -45,6 +45,7 @@ class Recipe:
     # (tokens, vocab) logits never held: `hidden_forward_of` and `lm_head_loss`
     fused_loss: bool = False
     merge_projections: bool = True  # with `fused`: one Q/K/V product and one w1/w3 product per block
+    residual_norm: bool = True  # with `fused`: each block's mid-block residual add fused into its second norm
     checkpoint: CheckpointPolicy = NO_CHECKPOINTING
     compile: str = "off"  # off, model (torch.compile of the whole model) or block (each block, in place)
     compile_mode: str = "default"  # torch.compile's mode: default, or reduce-overhead (replayed as CUDA graphs)
@@ -89,7 +90,8 @@ def build_model(cfg: ModelConfig, recipe: Recipe, device: torch.device | str, se
     if recipe.fused:
         from cs336_systems.fused_model import apply_fused_kernels  # (imports Triton)
 
-        apply_fused_kernels(model, rope=recipe.fused_rope, merge_projections=recipe.merge_projections)
+        apply_fused_kernels(model, rope=recipe.fused_rope, merge_projections=recipe.merge_projections,
+                            residual_norm=recipe.residual_norm)
         if recipe.weight_copy_dtype is not None:
             from cs336_systems.weight_copies import attach_weight_copies
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -339,6 +339,22 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session49 100 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_weight_copies.py \
         -k "rope or rmsnorm or fused or opcheck_kernels or compiles_with_the_kernels or cuda_graph or copies"
       step_graph_sizes 320 small,medium,large 512 off,on on,off --rounds 2
+      ;;
+    session56)
+      # The mid-block residual add fused into the second norm (~9 min, H100 or H200): its GPU tests (kernels, operators,
+      # the compiled model, the step graph); then medium and large at ctx 512 and 2048, compiled with the step graph,
+      # ours with the fused add and without it against the baseline, 2 interleaved rounds.
+      gpu_tests session56 150 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_step_graph.py
+      step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
+      ;;
+    session57)
+      # The rest at the same commit (~7 min, H200): xl at ctx 512 with and without the fused add, then the 8B step
+      # beside the baseline (issue 35; issue 32: nothing else slower) and the attention train sweep against cuDNN.
+      step_graph_sizes 130 xl 512 on on --residual-norm on,off
+      timeout 250 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
+        2>&1 | tail -8
+      timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
+        --no-progress --results-dir "$R" 2>&1 | tail -10
       ;;
     session55)
       # The step graph's capture with the warm-up's gradients dropped first (~2 min): xl at ctx 512, compiled, ours

@@ -46,17 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     rows, d, block_d = 2048, 768, 1024
     x, weight, y, rstd = torch.randn(rows, d), torch.ones(d), torch.empty(rows, d), torch.empty(rows)
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
-    options = dict(BLOCK_D=block_d, num_warps=4, debug=False, instrumentation_mode="")
+    options = dict(ADD=False, BLOCK_D=block_d, num_warps=4, debug=False, instrumentation_mode="")
 
     def bind():
-        _, specialization, bound_options = binder(x, weight, y, rstd, d, 1e-5, **options)
+        _, specialization, bound_options = binder(x, x, weight, x, y, rstd, d, 1e-5, **options)
         compute_cache_key({}, specialization, bound_options)
 
     launch_plan._plans_device = lambda tensor: True  # plan CPU tensors too (this process only)
     captured = _Captured(kernel)
 
     def replay():
-        launch_plan.launch(captured, (rows,), x, weight, y, rstd, d, 1e-5, BLOCK_D=block_d, num_warps=4)
+        launch_plan.launch(captured, (rows,), x, x, weight, x, y, rstd, d, 1e-5, ADD=False, BLOCK_D=block_d,
+                           num_warps=4)
 
     print(f"us per launch, median (min-max) of {args.repeats} x {args.calls} calls, torch {torch.__version__}")
     for name, fn in (("Triton binder + cache key", bind), ("launch plan replay", replay)):

@@ -4,8 +4,9 @@ spills)? A check to run after changing one of them when no GPU is at hand; their
 whether they compute right, this says whether ptxas takes them. It cannot say how fast they run.
 
 As `gluon_jit_ptx.py` does for the attention passes, the launch path itself builds the arguments: our launchers
-(`rope._rotate`, `rmsnorm._forward` / `_backward`) run their CUDA path on CPU tensors of each preset's shapes (batch
-4, context 512; Q and K as column blocks of the merged Q/K/V product, as the fused model has them) with a `launch`
+(`rope._rotate`, `rmsnorm._forward` / `_backward`, plain and with the residual add) run their CUDA path on CPU
+tensors of each preset's shapes (batch 4, context 512; Q and K as column blocks of the merged Q/K/V product, as the
+fused model has them) with a `launch`
 that binds the arguments through Triton's JIT binder for the target and compiles, instead of launching. So the
 signature is the one a real launch specialises, not one written down here.
 
@@ -68,9 +69,14 @@ def launches(dtype: torch.dtype, launch) -> list[str]:
         names += [f"rope d {d_head}, {heads} heads, Q and K", f"rope d {d_head}, {heads} heads, one tensor"]
         x = torch.zeros(BATCH * CONTEXT, d_model, dtype=dtype)
         weight = torch.ones(d_model, dtype=dtype)
-        _, rstd = rmsnorm._forward(x, weight, 1e-5, launch=launch)
+        _, _, rstd = rmsnorm._forward(x, weight, 1e-5, launch=launch)
         rmsnorm._backward(x, x, weight, rstd, launch=launch)
-        names += [f"rmsnorm forward width {d_model}", f"rmsnorm backward width {d_model}"]
+        # the block's residual add fused into its second norm, as under autocast: an fp32 stream, a 16-bit delta
+        stream = x.float()
+        rmsnorm._forward(stream, weight, 1e-5, launch=launch, out_dtype=dtype, delta2d=x)
+        rmsnorm._backward(x, stream, weight, rstd, launch=launch, grad_h2d=stream, second_dtype=dtype)
+        names += [f"rmsnorm forward width {d_model}", f"rmsnorm backward width {d_model}",
+                  f"add_rmsnorm forward width {d_model}", f"add_rmsnorm backward width {d_model}"]
     return names
 
 

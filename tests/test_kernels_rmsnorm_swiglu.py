@@ -82,6 +82,136 @@ def test_rmsnorm_out_dtype_rounds_the_fp32_result_once(out_dtype):
         rmsnorm(x, w, out_dtype=torch.int32)
 
 
+ADD_DTYPES = [(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+              (torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("x_dtype, delta_dtype", ADD_DTYPES, ids=["fp32+bf16", "fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(3, 17, 64), (1, 1, 100), (2, 3, 4, 48), (5, 1000)])
+def test_add_rmsnorm_matches_the_add_then_the_norm(shape, x_dtype, delta_dtype):
+    """(h, y) = (x + delta, rmsnorm(x + delta)) with both outputs' gradients arriving (the residual path's and the
+    norm's): h in torch's promoted dtype, each addend's gradient in its own, and every output and gradient within
+    budget of the fp64 reference against PyTorch's add and RMSNorm at the same precision."""
+    from cs336_systems.kernels.rmsnorm import add_rmsnorm
+
+    device = kernel_device()
+    torch.manual_seed(1)
+    x = torch.randn(shape, device=device) * 3 + 0.5
+    delta = torch.randn(shape, device=device)
+    w = torch.rand(shape[-1], device=device) + 0.5
+    grad_h, grad_y = torch.randn(shape, device=device), torch.randn(shape, device=device)
+
+    def run(fn, x, delta, w):
+        leaves = [t.detach().requires_grad_() for t in (x, delta, w)]
+        h, y = fn(*leaves)
+        ((h * grad_h.to(h.dtype)).sum() + (y * grad_y.to(y.dtype)).sum()).backward()
+        return (h, y), [t.grad for t in leaves]
+
+    w_dtype = torch.float32 if x_dtype != delta_dtype else x_dtype
+    low_inputs = (x.to(x_dtype), delta.to(delta_dtype), w.to(w_dtype))
+    ref_out, ref_grads = run(lambda a, b, c: _then(a + b, lambda h: rmsnorm_reference(h, c)), x.double(),
+                             delta.double(), w.double())
+    low_out, low_grads = run(lambda a, b, c: _then(a + b, lambda h: RMSNorm.forward(_norm_with(c), h)), *low_inputs)
+    ours_out, our_grads = run(lambda a, b, c: add_rmsnorm(a, b, c), *low_inputs)
+    h_dtype = torch.promote_types(x_dtype, delta_dtype)
+    assert [t.dtype for t in ours_out] == [h_dtype, h_dtype] and ours_out[0].shape == x.shape
+    assert [g.dtype for g in our_grads] == [x_dtype, delta_dtype, w_dtype]
+    for name, ours, ref, low in zip(("h", "y", "dx", "ddelta", "dw"), [*ours_out, *our_grads], [*ref_out, *ref_grads],
+                                    [*low_out, *low_grads]):
+        assert_within_budget(name, ours, ref, low)
+
+
+@pytest.mark.parametrize("programs", [1, 7, 256])
+def test_add_rmsnorm_stores_autocasts_dtype_as_the_unfused_norm_does(programs, monkeypatch):
+    """The model's case: an fp32 residual stream, autocast's bf16 delta (the attention's output), the norm stored in
+    bf16. The same values as the add and then `rmsnorm(..., out_dtype)`, and the same gradients (h's gradient joined
+    with the norm's in fp32, then rounded once for delta), over any number of backward programs."""
+    import cs336_systems.kernels.rmsnorm as rmsnorm_module
+
+    monkeypatch.setattr(rmsnorm_module, "DW_PROGRAMS", programs)
+    device = kernel_device()
+    torch.manual_seed(4)
+    x = torch.randn(3, 17, 72, device=device) * 2
+    delta = torch.randn(3, 17, 72, device=device).to(torch.bfloat16)
+    w = torch.rand(72, device=device) + 0.5
+    grad_h, grad_y = torch.randn(3, 17, 72, device=device), torch.randn(3, 17, 72, device=device).to(torch.bfloat16)
+
+    def run(fn):
+        leaves = [t.detach().requires_grad_() for t in (x, delta, w)]
+        h, y = fn(*leaves)
+        torch.autograd.backward((h, y), (grad_h, grad_y))
+        return h, y, [t.grad for t in leaves]
+
+    fused = run(lambda a, b, c: rmsnorm_module.add_rmsnorm(a, b, c, out_dtype=torch.bfloat16))
+    unfused = run(lambda a, b, c: _then(a + b, lambda h: rmsnorm(h, c, out_dtype=torch.bfloat16)))
+    assert fused[1].dtype == torch.bfloat16 and fused[2][1].dtype == torch.bfloat16
+    torch.testing.assert_close(fused[0], unfused[0], rtol=0, atol=0)  # the fp32 sum, exactly
+    step = 2 ** -7 if device == "cpu" else 0  # (the interpreter's bf16 stores may round the other way)
+    torch.testing.assert_close(fused[1], unfused[1], rtol=step, atol=0)
+    for name, a, b in zip(("dx", "ddelta", "dw"), fused[2], unfused[2]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=max(step, 1e-5), atol=1e-5, msg=name)
+
+
+def _then(h, norm):
+    """(h, norm(h)): one sum, both its uses (the residual path's gradient and the norm's join on it, as in a block)."""
+    return h, norm(h)
+
+
+def test_add_rmsnorm_bad_inputs():
+    from cs336_systems.kernels.rmsnorm import add_rmsnorm
+
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with pytest.raises(ValueError, match=r"add_rmsnorm: delta must have x's shape \(2, 8\), got \(2, 4\)"):
+        add_rmsnorm(x, torch.randn(2, 4), w)
+    with pytest.raises(TypeError, match="add_rmsnorm: delta must be float32, bfloat16 or float16, got torch.int64"):
+        add_rmsnorm(x, torch.ones(2, 8, dtype=torch.long), w)
+    with pytest.raises(ValueError, match=r"add_rmsnorm: weight must have shape \(8,\), got \(4,\)"):
+        add_rmsnorm(x, x, torch.randn(4))
+    with pytest.raises(ValueError, match="add_rmsnorm: eps must be positive, got 0"):
+        add_rmsnorm(x, x, w, eps=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fused_blocks_add_the_residual_in_their_norm_and_compute_the_same_function(autocast, monkeypatch):
+    """With `residual_norm` (the default) each block's mid-block add runs inside its second norm (`add_rmsnorm`,
+    once per block), and the model computes what it computes with the add and the norm apart (residual_norm=False;
+    under autocast each output and gradient within budget of the fp32 model against the unfused one's bf16 error); a
+    hook on the second norm makes the block call it as a module, so the hook sees it."""
+    import cs336_systems.fused_model as fused_model
+
+    device = kernel_device()
+    cfg = ModelConfig.from_name("tiny", num_layers=2, context_length=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), device=device)
+    calls = []
+    real = fused_model.add_rmsnorm
+    monkeypatch.setattr(fused_model, "add_rmsnorm", lambda *args, **options: calls.append(1) or real(*args, **options))
+
+    def run(residual_norm, hook=False, autocast=autocast):
+        torch.manual_seed(0)
+        model = apply_fused_kernels(cfg.build(device=device), residual_norm=residual_norm)
+        if hook:
+            model.layers[0].ln2.register_forward_hook(lambda *_: calls.append("hook"))
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = model(tokens)
+        out.float().square().mean().backward()
+        return [out, *(p.grad for p in model.parameters())]
+
+    unfused = run(False)
+    assert not calls
+    fused = run(True)
+    assert calls == [1] * cfg.num_layers
+    if autocast:  # each against the fp32 model, within twice the unfused model's bf16 error
+        reference = run(False, autocast=False)
+        for ours, ref, low in zip(fused, reference, unfused):
+            assert_within_budget("output or gradient", ours.float(), ref, low.float())
+    else:
+        for a, b in zip(fused, unfused):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    calls.clear()
+    run(True, hook=True)
+    assert calls == ["hook", 1]  # the hooked block called its norm; the other fused it
+
+
 def test_fused_block_norms_store_the_autocast_dtype():
     """Under autocast a block's two norms return autocast's dtype (their products cast to it anyway) and the final
     norm its input's; without autocast every norm returns its input's dtype."""
@@ -616,4 +746,5 @@ def test_pointwise_kernels_compile_for_hopper_without_spills():
     lines = done.stdout.splitlines()
     assert sum(line.startswith("rope d ") and "Q and K: rope_kernel" in line for line in lines) >= 2  # one launch
     assert sum(line.startswith("rmsnorm backward width 768") for line in lines) == 1
+    assert sum(line.startswith("add_rmsnorm backward width 768") for line in lines) == 1
     assert all(line.endswith("no local memory") for line in lines), done.stdout

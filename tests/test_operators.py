@@ -34,6 +34,10 @@ def _operator_cases(device: str):
         flash_attention_forward_op,
     )
     from cs336_systems.kernels.rmsnorm import (
+        add_rmsnorm_backward_op,
+        add_rmsnorm_op,
+        add_rmsnorm_traced_backward_op,
+        add_rmsnorm_traced_op,
         rmsnorm_backward_op,
         rmsnorm_op,
         rmsnorm_traced_backward_op,
@@ -66,6 +70,8 @@ def _operator_cases(device: str):
     q, k, v = (rand(2, 3, 7, 16, grad=True) for _ in range(3))
     out, lse = flash_attention_forward_op(q.detach(), k.detach(), v.detach(), True)
     gate_up = rand(3, 2, 74, grad=True)  # (a | b) of the merged w1/w3 product, d_ff 37
+    stream, delta = rand(2, 3, 24, grad=True), rand(2, 3, 24).half().requires_grad_()  # fp32 residual, 16-bit delta
+    h, rstd = (stream + delta).detach(), rand(2, 3).abs() + 0.5
     return [
         (rmsnorm_op, (x, w, 1e-5)),
         (rmsnorm_backward_op, (rand(2, 3, 24), x.detach(), w.detach(), rand(2, 3).abs() + 0.5)),
@@ -94,6 +100,13 @@ def _operator_cases(device: str):
         (silu_mul_packed_traced_backward_op, (rand(3, 2, 37), gate_up.detach())),
         (rope_pair_op, (q_heads, k_heads, positions, cache, 1.0)),
         (rope_pair_traced_op, (q_heads, k_heads, positions, cache, 1.0)),
+        (add_rmsnorm_op, (x, rand(2, 3, 24, grad=True), w, 1e-5)),
+        (add_rmsnorm_op, (stream, delta, w, 1e-5, torch.float16)),
+        (add_rmsnorm_backward_op, (rand(2, 3, 24), rand(2, 3, 24), h, w.detach(), rstd)),
+        (add_rmsnorm_backward_op, (rand(2, 3, 24), rand(2, 3, 24).half(), h, w.detach(), rstd, torch.float16)),
+        (add_rmsnorm_traced_op, (stream, delta, w, 1e-5, torch.float16)),
+        (add_rmsnorm_traced_backward_op, (rand(2, 3, 24), rand(2, 3, 24).half(), h, w.detach(), rstd,
+                                          torch.float16)),
     ]
 
 
@@ -104,7 +117,8 @@ OPERATORS = ["rmsnorm", "rmsnorm_backward", "silu_mul", "silu_mul_backward", "ro
              "silu_mul_traced", "silu_mul_traced_backward", "rope_traced", "rmsnorm_to_fp16", "rmsnorm_traced_to_fp16",
              "silu_mul_packed",
              "silu_mul_packed_backward", "silu_mul_packed_traced", "silu_mul_packed_traced_backward", "rope_pair",
-             "rope_pair_traced"]
+             "rope_pair_traced", "add_rmsnorm", "add_rmsnorm_mixed", "add_rmsnorm_backward",
+             "add_rmsnorm_backward_mixed", "add_rmsnorm_traced_mixed", "add_rmsnorm_traced_backward_mixed"]
 
 
 @pytest.mark.parametrize("index", range(len(OPERATORS)), ids=OPERATORS)
@@ -153,6 +167,11 @@ def test_triton_op_bodies_trace_to_one_kernel_node_per_launch(monkeypatch, reque
         (lambda x, w: rmsnorm_module._forward(x, w, 1e-5, launch=launch_wrapped), (meta(6, 24), meta(24))),
         (lambda dy, x, w, r: rmsnorm_module._backward(dy, x, w, r, launch=launch_wrapped),
          (meta(6, 24), meta(6, 24), meta(24), meta(6))),
+        (lambda x, delta, w: rmsnorm_module._forward(x, w, 1e-5, launch=launch_wrapped, delta2d=delta),
+         (meta(6, 24), meta(6, 24, dtype=torch.bfloat16), meta(24))),
+        (lambda dy, h, w, r, dh: rmsnorm_module._backward(dy, h, w, r, launch=launch_wrapped, grad_h2d=dh,
+                                                          second_dtype=torch.bfloat16),
+         (meta(6, 24), meta(6, 24), meta(24), meta(6), meta(6, 24))),
         (lambda a, b: swiglu_module._forward(a, b, launch=launch_wrapped), (meta(3, 37), meta(3, 37))),
         (lambda dy, a, b: swiglu_module._backward(dy, a, b, launch=launch_wrapped),
          (meta(3, 37), meta(3, 37), meta(3, 37))),
@@ -251,8 +270,8 @@ def test_our_model_compiles_without_breaks_or_recompiles_per_size(cpu_maths, mon
     import cs336_systems.kernels.swiglu as swiglu_module
 
     monkeypatch.setenv("CS336_TRITON_OPS", triton_ops)
-    for module, name in [(rmsnorm_module, "rmsnorm"), (swiglu_module, "silu_mul"), (swiglu_module, "silu_mul_packed"),
-                         (rope_module, "rope")]:
+    for module, name in [(rmsnorm_module, "rmsnorm"), (rmsnorm_module, "add_rmsnorm"), (swiglu_module, "silu_mul"),
+                         (swiglu_module, "silu_mul_packed"), (rope_module, "rope")]:
         unused = f"{name}_op" if triton_ops == "1" else f"{name}_traced_op"  # the other form must not be traced
 
         def refuse(*args, _unused=unused):

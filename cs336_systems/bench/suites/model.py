@@ -66,6 +66,7 @@ class ModelCase:
     optimizer: str = "cs336"  # cs336 (cs336_basics AdamW) or fused (our Triton AdamW); ours only
     weight_copies: bool = False  # ours, fused, fused AdamW, 16-bit autocast: the weights' copies (weight_copies.py)
     fused_loss: bool = False  # ours, fused: the loss by our fused LM head + cross-entropy (no logits held)
+    residual_norm: bool = False  # ours, fused: each block's mid-block residual add fused into its norm
     skip_guards: bool = False  # compiled: the timed steps run without dynamo's guard checks (--skip-guards)
     step_graph: bool = False  # the whole step captured as CUDA graphs and replayed (--step-graph)
 
@@ -119,6 +120,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the hidden states (on, default: the (tokens, vocab) logits are never held, the "
                              "gradients formed in the loss's one pass) or the model's logits and cross_entropy as "
                              "the baseline takes them (off); on,off times both")
+    parser.add_argument("--residual-norm", type=common.list_of(str, ("on", "off"), "--residual-norm"),
+                        default=["on"],
+                        help="with --fused: each block's mid-block residual add fused into its second norm, one "
+                             "pass each way (on, default; kernels.rmsnorm.add_rmsnorm) or the add and the norm as "
+                             "two kernels (off); on,off times both")
     parser.add_argument("--optimizer", choices=["cs336", "fused"], default="cs336",
                         help="our model's AdamW: cs336 (cs336_basics, default) or fused (our Triton AdamW)")
     parser.add_argument("--weight-copies", type=common.list_of(str, ("on", "off"), "--weight-copies"),
@@ -177,12 +183,14 @@ def cases(args) -> list[ModelCase]:
         copies_apply = ours and args.fused and args.optimizer == "fused" and dtype in ("bf16", "fp16")
         copy_choices = dict.fromkeys(choice == "on" for choice in args.weight_copies) if copies_apply else [False]
         loss_choices = dict.fromkeys(choice == "on" for choice in args.fused_loss) if ours and args.fused else [False]
-        for copies, fused_loss in itertools.product(copy_choices, loss_choices):
+        residual_choices = ([False] if not (ours and args.fused)
+                            else dict.fromkeys(choice == "on" for choice in args.residual_norm))
+        for copies, fused_loss, residual_norm in itertools.product(copy_choices, loss_choices, residual_choices):
             out.append(ModelCase(preset, ctx, args.batch, dtype, compiled, provider, attention, policy,
                                  fused=args.fused and ours, optimizer=args.optimizer if ours else "torch-fused",
                                  compile_scope=args.compile_scope if compiled else "-",
                                  compile_mode=("default" if comp == "on" else comp) if compiled else "-",
-                                 weight_copies=copies, fused_loss=fused_loss,
+                                 weight_copies=copies, fused_loss=fused_loss, residual_norm=residual_norm,
                                  skip_guards=compiled and args.skip_guards and not graphed, step_graph=graphed))
     return out
 
@@ -206,7 +214,8 @@ class _Harness:
                                  compile_mode=case.compile_mode if case.compile else "default",
                                  optimizer=case.optimizer,
                                  weight_copy_dtype=common.DTYPES[case.dtype] if case.weight_copies else None,
-                                 fused_loss=case.fused_loss, **recipe_options)
+                                 fused_loss=case.fused_loss, residual_norm=case.residual_norm,
+                                 **recipe_options)
             self.model = build_model(cfg, self.recipe, device)
             self.optimizer = build_optimizer(self.model, self.recipe)
             self.forward_model = forward_of(self.model, self.recipe)
@@ -650,10 +659,11 @@ def _print_table(store: ResultStore, args) -> None:
         frame = frame[frame["phase"].isna()]
     index = [c for c in ("preset", "context", "dtype", "compile", "compile_scope", "compile_mode", "step_graph",
                          "provider",
-                         "attention", "checkpoint", "fused", "optimizer", "weight_copies", "fused_loss", "mode")
+                         "attention", "checkpoint", "fused", "optimizer", "weight_copies", "fused_loss",
+                         "residual_norm", "mode")
              if c in frame.columns]
     frame = frame.fillna({c: "-" for c in ("fused", "optimizer", "compile_scope", "compile_mode", "weight_copies",
-                                           "fused_loss", "step_graph")
+                                           "fused_loss", "residual_norm", "step_graph")
                           if c in frame.columns})
     table = pivot_table(frame, index=index)
     spread = frame[(frame["metric"] == "time") & (frame["status"] == "ok")][index + ["mean", "std"]]

@@ -60,10 +60,11 @@ def _size_table(doc: Document, r: Results, step: pd.DataFrame, figure: str) -> i
     # Ours: the whole stack; and, compiled, the same without our pointwise operators (inductor generates RMSNorm,
     # the SwiGLU gate and RoPE itself), where a run measured it.
     # (ours as it runs by default: an A/B run's rows without the weight copies, `--weight-copies off`, without the
-    # fused loss, `--fused-loss off`, timed without dynamo's guards, `--skip-guards`, or with 16-bit
-    # weight gradients, CS336_FP32_WEIGHT_GRADIENTS=0, stay out)
+    # fused loss, `--fused-loss off`, without the fused residual add, `--residual-norm off`, timed without dynamo's
+    # guards, `--skip-guards`, or with 16-bit weight gradients, CS336_FP32_WEIGHT_GRADIENTS=0, stay out)
     not_default = (col(step, "weight_copies", None).astype(object).eq(False)
                    | col(step, "fused_loss", None).astype(object).eq(False)
+                   | col(step, "residual_norm", None).astype(object).eq(False)
                    | col(step, "skip_guards", None).astype(object).eq(True)
                    | col(step, "weight_gradients", None).notna())
     ours = step[(step["provider"] == "ours") & fused & ~not_default]

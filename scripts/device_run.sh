@@ -348,9 +348,11 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
       ;;
     session57)
-      # The rest at the same commit (~7 min, H200): xl at ctx 512 with and without the fused add, then the 8B step
+      # The rest at the same commit (~8 min, H200): xl at ctx 512 with and without the fused add, RMSNorm's bandwidth by
+      # warps per program (scripts/rmsnorm_warps.py), then the 8B step
       # beside the baseline (issue 35; issue 32: nothing else slower) and the attention train sweep against cuDNN.
       step_graph_sizes 130 xl 512 on on --residual-norm on,off
+      timeout 60 python3 scripts/rmsnorm_warps.py 2>&1 | tail -20
       timeout 250 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
         2>&1 | tail -8
       timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \

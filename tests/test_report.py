@@ -553,3 +553,19 @@ def test_ratio_plot_keeps_each_modes_colour_and_marker_across_panels(tmp_path, m
     assert styles["eager"] != styles["compiled"]
     (legend,) = fig.legends
     assert sorted(t.get_text() for t in legend.get_texts()) == ["compiled", "eager"]
+
+
+def test_compiled_over_eager_takes_the_plain_compiled_step_not_a_graphed_one(tmp_path):
+    """torch_compile (b) sets each provider's compiled step beside its eager one: a later run of the whole step
+    captured (`--step-graph on`) or of reduce-overhead is another mode, not the plain compiled step, and stays out."""
+    common = dict(preset="xl", context=512, batch=4, dtype="bf16", mode="train-step", attention="sdpa", fused=False)
+    rows = [_row("model", "baseline", "time", 158.0, compile=False, compile_mode="-", **common),
+            _row("model", "baseline", "time", 138.0, compile=True, compile_mode="default", **common),
+            _row("model", "baseline", "time", 123.0, compile=True, compile_mode="default", step_graph=True, **common),
+            _row("model", "baseline", "time", 111.0, compile=True, compile_mode="reduce-overhead", **common)]
+    for row in rows[2:]:
+        row.update(run_id="r2", timestamp="2026-12-03T00:00:00+00:00")
+    text = _report_from(tmp_path, "model", rows)
+    line = next(line for line in text.splitlines() if line.startswith("| xl") and "same run" in line)
+    assert "138" in line and "158" in line and "1.14" in line
+    assert "another run" not in text

@@ -122,11 +122,14 @@ def ms(value) -> str:
 
 def eager_reference_rows(model: pd.DataFrame) -> pd.DataFrame:
     """Rows of the plain model suite: reference attention (or the baseline's SDPA), no checkpointing,
-    no fused kernels, cs336 AdamW for ours, batch 4, context 512, whole-step timings."""
+    no fused kernels, cs336 AdamW for ours, batch 4, context 512, whole-step timings; compiled in torch.compile's
+    default mode, the step neither captured whole (`--step-graph`) nor timed without dynamo's guards."""
     if model.empty:
         return model
     m = model[(model["metric"] == "time") & (model["context"] == 512)]
     m = m[col(m, "checkpoint", "none").fillna("none") == "none"]
+    m = m[~col(m, "step_graph", False).astype(object).eq(True) & ~col(m, "skip_guards", False).astype(object).eq(True)]
+    m = m[col(m, "compile_mode", "default").fillna("default").isin(["default", "-"])]
     m = m[col(m, "fused", False).fillna(False) == False]  # noqa: E712
     m = m[col(m, "attention").isin(["reference", "sdpa"])]
     return m

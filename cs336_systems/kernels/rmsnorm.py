@@ -126,7 +126,10 @@ def _block_d(d: int) -> int:
 
 
 def _num_warps(block_d: int) -> int:
-    return min(16, max(1, block_d // 256))
+    # 8 elements a thread up to 2048 columns, 16 from 4096 on (at most 16 warps): at 4096 columns (xl's 2560, the 8B's
+    # 4096) 8 warps move 37-42 % more bytes a second in the backward than 16 did, the forward a little more (H100,
+    # scripts/rmsnorm_warps.py, notes/model_sizes.md); at 1024 and 2048 the counts measured alike.
+    return max(1, block_d // 256) if block_d <= 2048 else min(16, block_d // 512)
 
 
 def _forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, launch=launch_plan.launch,

@@ -9,6 +9,12 @@ every attention module then takes its token positions from one
 cached `arange` per length and device: the model made a new one in every layer and step, and RoPE's on-device range
 check (four small kernels) ran for each, where one cached tensor is checked once (`kernels.rope._check_positions`).
 
+With `residual_norm` (the default) every `TransformerBlock` becomes a `FusedTransformerBlock`, whose mid-block
+residual add runs inside its second norm (`kernels.rmsnorm.add_rmsnorm`): the sum and its norm written by one pass,
+the norm's input gradient joined with the residual path's by one pass (0.7-1.2 % of a GPU-bound step on an H100,
+notes/model_sizes.md). The block's other add stays where it is: fusing it into the next block's first norm would
+change what a block takes and returns, which checkpointing policies and compiled blocks rely on.
+
 Every `Linear` runs as `F.linear` (the same product as its einsum): autograd then computes the weight's gradient in
 the weight's own layout, where the einsum's comes out transposed and AccumulateGrad copies every weight gradient of
 every step into place (7 per block; 46 ms of the 8B step, notes/leaderboard.md).

@@ -17,8 +17,8 @@ def test_every_op_and_provider_is_timed(tmp_path, monkeypatch):
     assert main([*SMALL, "--results-dir", str(tmp_path)]) == 0
     rows = [r for r in load_rows(tmp_path / "fused-ops.jsonl") if r["metric"] == "time"]
     assert {(r["config"]["op"], r["provider"]) for r in rows} == {
-        ("rmsnorm", "ours"), ("rmsnorm", "torch"), ("swiglu", "ours"), ("swiglu", "ours-out-of-place"),
-        ("swiglu", "torch")}
+        ("rmsnorm", "ours"), ("rmsnorm", "torch"), ("add-rmsnorm", "ours"), ("add-rmsnorm", "ours-unfused"),
+        ("add-rmsnorm", "torch"), ("swiglu", "ours"), ("swiglu", "ours-out-of-place"), ("swiglu", "torch")}
     assert all(r["status"] == "ok" and r["median"] > 0 and r["config"]["tokens"] == 33 for r in rows)
 
 

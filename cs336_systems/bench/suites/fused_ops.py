@@ -1,10 +1,16 @@
-"""The `fused-ops` suite: our fused RMSNorm and SwiGLU gate against torch and Liger-Kernel, op by op.
+"""The `fused-ops` suite: our fused RMSNorm (alone and with the residual add before it) and SwiGLU gate against
+torch and Liger-Kernel, op by op.
 
 Each case times the op and its backward together (do_bench median) and records the peak memory above its inputs
 (the tensors the op reads and the incoming gradient; CUDA only): what the op adds to a training step's peak.
 
 Ops and providers:
   rmsnorm   ours (`kernels.rmsnorm.rmsnorm`), torch (`F.rms_norm`), liger (`liger_rms_norm`)
+  add-rmsnorm
+            (h, y) = (x + delta, rmsnorm(x + delta)), both outputs' gradients arriving (the residual path's and the
+            norm's, as in a pre-norm block): ours (`kernels.rmsnorm.add_rmsnorm`, one pass each way), ours-unfused
+            (the add in torch, then our rmsnorm), torch (the add, then `F.rms_norm`), liger
+            (`liger_fused_add_rms_norm`, out of place: its in-place backward would write over the incoming gradient)
   swiglu    silu(a) * b: ours (`kernels.swiglu.silu_mul`, backward written over a and b as our fused model
             runs it), ours-out-of-place (the same kernel, new gradient tensors), torch (the eager expression),
             liger (`liger_swiglu`, whose backward also writes over a and b)
@@ -27,15 +33,16 @@ import torch.nn.functional as F
 
 from cs336_systems.bench import common
 from cs336_systems.bench.suites.cross_entropy import check_liger, liger_by_default
-from cs336_systems.kernels.rmsnorm import rmsnorm
+from cs336_systems.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from cs336_systems.kernels.swiglu import silu_mul
 from cs336_systems.results import ResultStore
 
-OPS = ("rmsnorm", "swiglu")
-PROVIDERS = {"rmsnorm": ("ours", "torch", "liger"), "swiglu": ("ours", "ours-out-of-place", "torch", "liger")}
+OPS = ("rmsnorm", "add-rmsnorm", "swiglu")
+PROVIDERS = {"rmsnorm": ("ours", "torch", "liger"), "add-rmsnorm": ("ours", "ours-unfused", "torch", "liger"),
+             "swiglu": ("ours", "ours-out-of-place", "torch", "liger")}
 # The shapes of BASELINES.md's comparison: one 32k sequence at d_model 4096; the gate at d_ff 11008.
-CUDA_WIDTH = {"rmsnorm": 4096, "swiglu": 11008}
-CPU_TOKENS, CPU_WIDTH = 256, {"rmsnorm": 128, "swiglu": 352}
+CUDA_WIDTH = {"rmsnorm": 4096, "add-rmsnorm": 4096, "swiglu": 11008}
+CPU_TOKENS, CPU_WIDTH = 256, {"rmsnorm": 128, "add-rmsnorm": 128, "swiglu": 352}
 EPS = 1e-5
 
 
@@ -51,12 +58,12 @@ class OpCase:
 def add_arguments(parser) -> None:
     common.add_common_arguments(parser)
     parser.add_argument("--op", type=common.list_of(str, OPS, "--op"), default=list(OPS),
-                        help=f"comma-separated from: {', '.join(OPS)} (default: both)")
+                        help=f"comma-separated from: {', '.join(OPS)} (default: all)")
     parser.add_argument("--tokens", type=common.list_of(common.positive_int("--tokens"), name="--tokens"),
                         default=None, help=f"comma-separated token counts (default: 32768 on CUDA, {CPU_TOKENS} "
                                            "on CPU)")
     parser.add_argument("--width", type=common.list_of(common.positive_int("--width"), name="--width"),
-                        default=None, help="comma-separated row widths (default: d_model 4096 for rmsnorm, d_ff "
+                        default=None, help="comma-separated row widths (default: d_model 4096 for the norms, d_ff "
                                            "11008 for swiglu on CUDA; small on CPU)")
     parser.add_argument("--dtype", type=common.list_of(str, tuple(common.DTYPES), "--dtype"), default=None,
                         help="comma-separated from: fp32, bf16, fp16 (default: bf16 on CUDA, fp32 on CPU)")
@@ -93,6 +100,7 @@ def step_fn(case: OpCase, device: torch.device):
         return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
 
     grad = tensor(case.tokens, case.width)
+    grad_h = None  # (add-rmsnorm's second output, the sum, takes its own gradient)
     if case.op == "rmsnorm":
         x, weight = tensor(case.tokens, case.width).requires_grad_(), (tensor(case.width) + 1).requires_grad_()
         if case.provider == "ours":
@@ -107,6 +115,25 @@ def step_fn(case: OpCase, device: torch.device):
             def forward():
                 return liger_rms_norm(x, weight, EPS)
         leaves = [x, weight]
+    elif case.op == "add-rmsnorm":
+        x, delta = tensor(case.tokens, case.width).requires_grad_(), tensor(case.tokens, case.width).requires_grad_()
+        weight, grad_h = (tensor(case.width) + 1).requires_grad_(), tensor(case.tokens, case.width)
+        if case.provider == "ours":
+            def forward():
+                return add_rmsnorm(x, delta, weight, EPS)
+        elif case.provider in ("ours-unfused", "torch"):
+            def forward():
+                h = x + delta
+                if case.provider == "torch":
+                    return h, F.rms_norm(h, (case.width,), weight, EPS)
+                return h, rmsnorm(h, weight, EPS)
+        else:
+            from liger_kernel.transformers.functional import liger_fused_add_rms_norm
+
+            def forward():
+                y, h = liger_fused_add_rms_norm(delta, x, weight, EPS, in_place=False)
+                return h, y
+        leaves = [x, delta, weight]
     else:
         a_leaf, b_leaf = tensor(case.tokens, case.width).requires_grad_(), tensor(case.tokens, case.width)
         b_leaf.requires_grad_()
@@ -127,7 +154,11 @@ def step_fn(case: OpCase, device: torch.device):
         leaves = [a_leaf, b_leaf]
 
     def step():
-        forward().backward(grad)
+        outputs = forward()
+        if isinstance(outputs, tuple):  # (h, y) of add-rmsnorm: the residual path's gradient and the norm's
+            torch.autograd.backward(outputs, (grad_h, grad))
+        else:
+            outputs.backward(grad)
 
     return step, leaves
 

@@ -318,7 +318,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,
 # second norm reads the sum its first half makes (x + attn(ln1(x))); unfused, an add kernel writes h and the norm
 # reads it back, and going backward the norm writes its input's gradient and an add kernel reads it back to join
 # the residual path's (and casts it for autocast's bf16 delta). Fused, each direction is one pass, which reads and
-# writes about a third fewer bytes (notes/model_sizes.md).
+# writes a quarter (forward) to a third (backward) fewer bytes (notes/model_sizes.md).
 def _add_op_forward(x, delta, weight, eps, out_dtype, launch=launch_plan.launch):
     """The fused add's forward body, as `_op_forward`'s: (h, y, rstd) shaped as x, x and x's rows."""
     d = x.shape[-1]

@@ -72,6 +72,19 @@ step_graph_sizes() {
     | tail -30
 }
 
+# The 8B step at 32k beside the baseline (issue 35), warm-up 1000 ms and REP_MS (default 12000) of timing.
+#   leaderboard_step SECONDS [REP_MS]
+leaderboard_step() {
+  timeout "$1" python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms "${2:-12000}" --results-dir "$R" \
+    2>&1 | tail -8
+}
+
+# The attention train sweep, ours against cuDNN (issue 35's attention targets).
+attention_train_sweep() {
+  timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
+    --no-progress --results-dir "$R" 2>&1 | tail -10
+}
+
 # A fresh copy of the tree at /tmp/NAME, for a variant of it (a patch applied, files copied over).
 #   scratch_tree NAME
 scratch_tree() {
@@ -357,16 +370,13 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       ;;
     session59-8b)
       # The 8B step beside the baseline alone (~4 min, H200), at the commit passed in.
-      timeout 230 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
-        2>&1 | tail -8
+      leaderboard_step 230
       ;;
     session59)
       # The least of session57 (~6 min, H200): the 8B step beside the baseline, then the attention train sweep against
       # cuDNN, at the commit passed in.
-      timeout 240 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
-        2>&1 | tail -8
-      timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
-        --no-progress --results-dir "$R" 2>&1 | tail -10
+      leaderboard_step 240
+      attention_train_sweep
       ;;
     session58)
       # RMSNorm's bandwidth by warps per program and backward programs (~1 min), then xl at ctx 512 compiled with the
@@ -380,10 +390,8 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # beside the baseline (issue 35; issue 32: nothing else slower) and the attention train sweep against cuDNN.
       step_graph_sizes 130 xl 512 on on --residual-norm on,off
       timeout 60 python3 scripts/rmsnorm_warps.py 2>&1 | tail -20
-      timeout 250 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
-        2>&1 | tail -8
-      timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
-        --no-progress --results-dir "$R" 2>&1 | tail -10
+      leaderboard_step 250
+      attention_train_sweep
       ;;
     session55)
       # The step graph's capture with the warm-up's gradients dropped first (~2 min): xl at ctx 512, compiled, ours
@@ -405,18 +413,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
     session53-short)
       # session53 where less device time is left (~6 min, H200): compiled with the step graph only, then the 8B step.
       step_graph_sizes 150 small,medium,large,xl 512 on on
-      timeout 250 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
-        2>&1 | tail -8
+      leaderboard_step 250
       ;;
     session53)
       # The step graph on the issue's card (~8 min, H200: pass needs_h200, xl fits beside the baseline there): every
       # size at ctx 512, eager and compiled, graphed, ours against the baseline; then the 8B step beside the baseline
       # (issue 32: nothing else slower; issue 35), then the attention train sweep against cuDNN.
       step_graph_sizes 200 small,medium,large,xl 512 off,on on
-      timeout 250 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 12000 --results-dir "$R" \
-        2>&1 | tail -8
-      timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
-        --no-progress --results-dir "$R" 2>&1 | tail -10
+      leaderboard_step 250
+      attention_train_sweep
       ;;
     session52)
       # The step graph where session50/51 left gaps (~5 min): large at ctx 128, eager and compiled; xl at ctx 512 and
@@ -468,10 +473,8 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
     session46)
       # The shortest H200 call for issue 35 (~5 min; pass needs_h200): the 8B step beside the baseline with short
       # timing at today's code (its loss now takes the mean's scale on the device), then the attention train sweep.
-      timeout 260 python3 -m cs336_systems.bench leaderboard --warmup-ms 1000 --rep-ms 15000 --results-dir "$R" \
-        2>&1 | tail -8
-      timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 500 \
-        --no-progress --results-dir "$R" 2>&1 | tail -10
+      leaderboard_step 260 15000
+      attention_train_sweep
       ;;
     session45)
       # The fused loss at the other contexts (~8 min, H100 or H200): small, medium and large at ctx 2048 and 128 in the

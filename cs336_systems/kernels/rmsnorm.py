@@ -367,7 +367,7 @@ def _(grad_h, grad_y, h, weight, rstd, second_dtype=None):
 
 
 def _add_setup_context(ctx, inputs, output):
-    x, delta, weight = inputs[:3]
+    delta, weight = inputs[1:3]
     ctx.save_for_backward(output[0], weight, output[2])
     ctx.delta_dtype = delta.dtype
 
@@ -412,26 +412,19 @@ if triton_installed():
 
 
 class AddRMSNormFunction(torch.autograd.Function):
-    """The fused add's eager path: the same launchers as its operators, without their dispatch cost."""
+    """The fused add's eager path: the operators' bodies, without their dispatch cost."""
 
     @staticmethod
     def forward(ctx, x, delta, weight, eps: float, out_dtype=None):
-        d = x.shape[-1]
-        h, y, rstd = _forward(x.reshape(-1, d).contiguous(), weight, eps, out_dtype=out_dtype,
-                              delta2d=delta.reshape(-1, d).contiguous())
+        h, y, rstd = _add_op_forward(x, delta, weight, eps, out_dtype)
         ctx.save_for_backward(h, weight, rstd)
-        ctx.x_shape, ctx.delta_dtype = x.shape, delta.dtype
-        return h.view(x.shape), y.view(x.shape)
+        ctx.delta_dtype = delta.dtype
+        return h, y
 
     @staticmethod
     def backward(ctx, grad_h, grad_y):
         h, weight, rstd = ctx.saved_tensors
-        second = _second_dtype(ctx, h)
-        dh, dh2, dw = _backward(grad_y.reshape(h.shape).contiguous(), h, weight, rstd,
-                                grad_h2d=grad_h.reshape(h.shape).contiguous(), second_dtype=second)
-        ddelta = dh if dh2 is None else dh2
-        return (dh.view(ctx.x_shape), ddelta.view(ctx.x_shape), dw if ctx.needs_input_grad[2] else None, None,
-                None)
+        return _addend_gradients(ctx, *_add_op_backward_body(grad_h, grad_y, h, weight, rstd, _second_dtype(ctx, h)))
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *,

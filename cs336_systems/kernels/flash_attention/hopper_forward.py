@@ -66,6 +66,9 @@ WS_LONG_KEYS = {64: 16384}
 WS_LONG_CONFIG = {64: (128, 128, 4, 2)}
 SHORT_KEYS = 4096
 SHORT_FORWARD_CONFIG = {64: (64, 64, 4, 2)}
+# Of every 4 exponentials of the score tile, how many the default forward takes on the FP32 pipe (`_exponentials`),
+# by (warp-specialised, head dim).
+FORWARD_EXP2_ON_FMA = {(False, 64): 0, (False, 128): 0, (True, 64): 0, (True, 128): 0}
 
 
 @gluon.jit
@@ -339,7 +342,8 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
         config = WS_FORWARD_CONFIG if warp_specialised else FORWARD_CONFIG[head_dim]
     strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
-    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim,
+                 EXP2_ON_FMA=FORWARD_EXP2_ON_FMA[bool(warp_specialised), head_dim])
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)

@@ -1116,6 +1116,18 @@ def test_the_forwards_exponentials_move_to_the_fma_units_in_the_ptx():
     assert exponentials["forward-gluon-late"] - exponentials["forward-gluon-late-fma2"] == 32, exponentials
 
 
+def test_the_warp_specialised_forward_compiles_with_three_consumers():
+    """192-row tiles (FA3's at d 64): three consumer warpgroups of 64 rows, each with its own key-tile loop in the
+    PTX, within 160 registers and without spills at 192 x 64 (ptxas, any machine), at d 64 and 128."""
+    for d in ("64", "128"):
+        done = _run_ptx_script("--kernel", "forward-gluon-ws", "--d", d, "--config", "192x64x4x2,128x64x4x2")
+        assert done.returncode == 0, done.stderr[-2000:]
+        three, two = done.stdout.strip().splitlines()[-2:]
+        assert "192x64" in three and "0 B spilled" in three, three
+        loops = lambda line: line.split(";")[1].count("|1")  # noqa: E731  (one product left in flight: a loop step)
+        assert loops(three) == 3 * loops(two) // 2, (three, two)
+
+
 @requires_hopper
 @pytest.mark.parametrize("backward", ["triton", "two-pass", "fused"])
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -85,11 +85,13 @@ FORWARD_GLUON_SPACE = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128
                        (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
 GLUON_SPACE = {
     "forward-gluon": FORWARD_GLUON_SPACE, "forward-gluon-late": FORWARD_GLUON_SPACE,
-    # warps: the first consumer's (the default partition); BLOCK_M is two consumers' 64 rows.
-    "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
+    # warps: the first consumer's (the default partition); BLOCK_M is two or three consumers' 64 rows (three at 160
+    # registers: 192 x 128 spills 2.6 KB a thread at d 64, 192 x 64 none, ptxas).
+    "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (192, 64, 4, 2),
+                         (192, 64, 4, 3), (192, 128, 4, 2)],
     "forward-gluon-late-fma1": FORWARD_GLUON_SPACE, "forward-gluon-late-fma2": FORWARD_GLUON_SPACE,
-    "forward-gluon-ws-fma1": [(128, 128, 4, 2), (128, 128, 4, 3)], "forward-gluon-ws-fma2": [(128, 128, 4, 2),
-                                                                                            (128, 128, 4, 3)],
+    "forward-gluon-ws-fma1": [(128, 128, 4, 2), (128, 128, 4, 3), (192, 64, 4, 2), (192, 64, 4, 3)],
+    "forward-gluon-ws-fma2": [(128, 128, 4, 2), (128, 128, 4, 3), (192, 64, 4, 2), (192, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
     # 128 keys (two consumer warpgroups of 64) x 64 queries; 3 stages fit at d 64 only (225 KiB at d 128)

@@ -24,6 +24,7 @@ strides, any lengths. The rest takes forward.py's kernel.
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -364,9 +365,10 @@ WS_CONSUMER_ROWS = gl.constexpr(64)
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, m0,
                  last_tile, STAGES: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    for half in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [m0 + half * WS_CONSUMER_ROWS, 0], q_bar, q_smem.index(half))
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
+    for part in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [m0 + part * WS_CONSUMER_ROWS, 0], q_bar, q_smem.index(part))
     for tile in range(0, last_tile):
         slot = tile % STAGES
         free = ((tile // STAGES) & 1) ^ 1  # a fresh barrier counts as released once: the first round passes
@@ -406,17 +408,17 @@ def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_em
 
 
 @gluon.jit
-def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _ws_consumer(part: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
-    """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
+    """One consumer warpgroup: O and L of query rows m0 + 64 * part onwards."""
     s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_N)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype
-    rows0 = m0 + half * WS_CONSUMER_ROWS
-    q_tile = q_smem.index(half)
+    rows0 = m0 + part * WS_CONSUMER_ROWS
+    q_tile = q_smem.index(part)
     offs_m = rows0 + gl.arange(0, WS_CONSUMER_ROWS, layout=row_layout)
     m_i = gl.full([WS_CONSUMER_ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([WS_CONSUMER_ROWS], gl.float32, row_layout)
@@ -453,6 +455,13 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
     tma.store_wait(pendings=0)
 
 
+@triton.constexpr_function
+def _worker_consumer_regs(consumers, asked):
+    # Three consumers of 128 threads at 160 registers and the producer's warp at 24 fit the SM's 65536 with the
+    # first consumer at 184 (FA3 gives its three consumer warpgroups 160 each at d 64).
+    return asked if consumers == 2 else min(asked, 160)
+
+
 @gluon.jit
 def flash_forward_ws_kernel(Q, K, V, O, L,
                             q_strides, k_strides, v_strides, o_strides,
@@ -461,30 +470,51 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240,
                             EXP2_ON_FMA: gl.constexpr = 0):
     """flash_forward_gluon_kernel's contract, warp-specialised: launched with num_warps=4 (the first consumer);
-    the second consumer (4 warps) and the producer (1 warp) are worker partitions. BLOCK_M must be 128.
-    CONSUMER_REGS: registers of the second consumer after reallocation; the first gets what the producer's 24 and
-    this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
-    gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
+    the other consumers (4 warps each) and the producer (1 warp) are worker partitions. BLOCK_M is 128 (two
+    consumers) or 192 (three, FA3's tile at d 64). CONSUMER_REGS: registers of each worker consumer after
+    reallocation, at most 160 with three (`_worker_consumer_regs`); the first gets what the producer's 24 and
+    these leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
+    CONSUMERS: gl.constexpr = BLOCK_M // WS_CONSUMER_ROWS
+    gl.static_assert(BLOCK_M == CONSUMERS * WS_CONSUMER_ROWS, "consumer warpgroups of 64 rows each")
+    gl.static_assert(CONSUMERS >= 2, "two or three consumer warpgroups")
+    gl.static_assert(CONSUMERS <= 3, "two or three consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+    WORKER_REGS: gl.constexpr = _worker_consumer_regs(CONSUMERS, CONSUMER_REGS)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
     v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
     o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
     # Empty barriers released by one arrive per consumer warpgroup.
-    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 2)
+    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES,
+                                                                                             CONSUMERS)
 
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lse_row = L + batch_head.to(gl.int64) * n_queries
-    gl.warp_specialize([
-        (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                        EXP2_ON_FMA)),
-        (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                        EXP2_ON_FMA)),
-        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                        m0, last_tile, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, 24])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                            EXP2_ON_FMA)),
+            (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                            EXP2_ON_FMA)),
+            (_ws_consumer, (2, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                            EXP2_ON_FMA)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            m0, last_tile, STAGES)),
+        ], [4, 4, 1], [WORKER_REGS, WORKER_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                            EXP2_ON_FMA)),
+            (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
+                            EXP2_ON_FMA)),
+            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                            m0, last_tile, STAGES)),
+        ], [4, 1], [WORKER_REGS, 24])

@@ -1073,62 +1073,6 @@ def test_gluon_passes_compile_for_hopper_with_products_left_in_flight():
 
 
 @requires_hopper
-@pytest.mark.parametrize("on_fma", [1, 2])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", GLUON_SHAPES)
-def test_gluon_forwards_with_exponentials_on_the_fma_units_match_reference(shape, causal, on_fma):
-    """Both Gluon forwards with 1 or 2 of every 4 exponentials from the polynomial (`hopper_forward._exponentials`):
-    O within PyTorch's own bf16 error of the fp64 reference and L to fp32 rounding, as with the SFUs' exp2; and no
-    further from the SFU-only forward than that forward is from the reference."""
-    import dataclasses
-
-    from cs336_systems.kernels.flash_attention.dispatch import forward_launch
-
-    q, k, v = (t.detach() for t in _inputs(*shape, torch.bfloat16, "cuda"))
-    exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
-    low = naive_attention(q, k, v, causal, upcast=False)
-    for warp_specialised in (False, True):
-        launch, sfu_out, _ = forward_launch(q, k, v, causal, gluon=True, warp_specialised=warp_specialised)
-        launch()
-        sfu_out = sfu_out.clone()
-        launch, out, lse = forward_launch(q, k, v, causal, gluon=True, warp_specialised=warp_specialised)
-        dataclasses.replace(launch, flags=launch.flags | dict(EXP2_ON_FMA=on_fma))()
-        assert_within_budget(f"out ws={warp_specialised} on_fma={on_fma}", out, exact, low)
-        assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, warp_specialised
-        sfu_error = (sfu_out.double() - exact).abs().max().item()
-        assert (out.double() - sfu_out.double()).abs().max().item() <= 2 * sfu_error + 1e-3, warp_specialised
-
-
-def test_the_forwards_exponentials_move_to_the_fma_units_in_the_ptx():
-    """EXP2_ON_FMA = 1 and 2 take a quarter and a half of the score tile's ex2 instructions off the SFUs (ptxas
-    on any machine, d 64, 64 x 128 tiles: 64 exponentials a thread a step), without spills."""
-    import re
-
-    done = _run_ptx_script("--kernel", "forward-gluon-late,forward-gluon-late-fma1,forward-gluon-late-fma2", "--d",
-                           "64", "--config", "64x128x4x2")
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = {line.split()[0]: line for line in done.stdout.strip().splitlines()}
-    exponentials = {}
-    for name, line in lines.items():
-        assert "0 B spilled" in line, line
-        exponentials[name] = max(int(n) for n in re.findall(r"e(\d+)", line.split(";")[1]))
-    assert exponentials["forward-gluon-late"] - exponentials["forward-gluon-late-fma1"] == 16, exponentials
-    assert exponentials["forward-gluon-late"] - exponentials["forward-gluon-late-fma2"] == 32, exponentials
-
-
-def test_the_warp_specialised_forward_compiles_with_three_consumers():
-    """192-row tiles (FA3's at d 64): three consumer warpgroups of 64 rows, each with its own key-tile loop in the
-    PTX, within 160 registers and without spills at 192 x 64 (ptxas, any machine), at d 64 and 128."""
-    for d in ("64", "128"):
-        done = _run_ptx_script("--kernel", "forward-gluon-ws", "--d", d, "--config", "192x64x4x2,128x64x4x2")
-        assert done.returncode == 0, done.stderr[-2000:]
-        three, two = done.stdout.strip().splitlines()[-2:]
-        assert "192x64" in three and "0 B spilled" in three, three
-        loops = lambda line: line.split(";")[1].count("|1")  # noqa: E731  (one product left in flight: a loop step)
-        assert loops(three) == 3 * loops(two) // 2, (three, two)
-
-
-@requires_hopper
 @pytest.mark.parametrize("backward", ["triton", "two-pass", "fused"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gluon_backwards_give_the_first_causal_row_exact_zeros(backward, head_dim):

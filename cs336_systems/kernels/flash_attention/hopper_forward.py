@@ -24,7 +24,6 @@ strides, any lengths. The rest takes forward.py's kernel.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -67,9 +66,6 @@ WS_LONG_KEYS = {64: 16384}
 WS_LONG_CONFIG = {64: (128, 128, 4, 2)}
 SHORT_KEYS = 4096
 SHORT_FORWARD_CONFIG = {64: (64, 64, 4, 2)}
-# Of every 4 exponentials of the score tile, how many the default forward takes on the FP32 pipe (`_exponentials`),
-# by (warp-specialised, head dim).
-FORWARD_EXP2_ON_FMA = {(False, 64): 0, (False, 128): 0, (True, 64): 0, (True, 128): 0}
 
 
 @gluon.jit
@@ -119,61 +115,12 @@ def _key_tile_range(m0, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS
     return gl.maximum(unmasked_end, 1), last_tile
 
 
-# Exponentials on the FMA units (FA4's lever, here on Hopper): at d 64 a 64 x 128 tile's two products take the
-# tensor cores about as long as its 8192 exponentials take the SFUs (16 a clock per SM), so the softmax, not the
-# products, can set the pace. EXP2_ON_FMA of every 4 exponentials are computed instead as 2^floor(x) * p(x - floor(x)),
-# p a cubic (relative error 8.8e-5, under bf16 P's rounding of 2^-9) on the FP32 pipe, which the softmax leaves half
-# idle. floor comes from adding 1.5 * 2^23 rounding down (no conversion: those run at the SFUs' rate), and 2^floor is
-# added to p's exponent field as an integer (x clamped at -127 so it cannot underflow past zero).
-_EXP2_ON_FMA_PTX = """
-.reg .f32 x, j, f;
-.reg .b32 t, r, e;
-max.ftz.f32 x, {src}, 0fC2FE0000;
-add.rm.ftz.f32 t, x, 0f4B400000;
-sub.ftz.f32 j, t, 0f4B400000;
-sub.ftz.f32 f, x, j;
-fma.rn.ftz.f32 r, f, 0f3D9DF09D, 0f3E6906A4;
-fma.rn.ftz.f32 r, r, f, 0f3F31F519;
-fma.rn.ftz.f32 r, r, f, 0f3F800000;
-shl.b32 e, t, 23;
-add.s32 {dst}, r, e;
-"""
-
-
-def _exp2_pack_ptx(on_fma: int) -> str:
-    """PTX for 4 exponentials (outputs $0-$3 of inputs $4-$7): the first `on_fma` on the FP32 pipe, the rest on
-    the SFUs (ex2.approx, as gl.exp2)."""
-    parts = [("{" + _EXP2_ON_FMA_PTX.format(src=f"${4 + i}", dst=f"${i}") + "}") if i < on_fma
-             else f"ex2.approx.ftz.f32 ${i}, ${4 + i};" for i in range(4)]
-    return "\n".join(parts)
-
-
-EXP2_PACK_PTX_ONE: gl.constexpr = gl.constexpr(_exp2_pack_ptx(1))
-EXP2_PACK_PTX_TWO: gl.constexpr = gl.constexpr(_exp2_pack_ptx(2))
-EXP2_PACK_CONSTRAINTS: gl.constexpr = gl.constexpr("=r,=r,=r,=r,r,r,r,r")
-
-
-@gluon.jit
-def _exponentials(x, ON_FMA: gl.constexpr):
-    """2^x elementwise, ON_FMA of every 4 on the FP32 pipe (0: gl.exp2 throughout)."""
-    gl.static_assert(ON_FMA <= 2, "EXP2_ON_FMA: 0, 1 or 2 of every 4")
-    if ON_FMA == 1:
-        p = gl.inline_asm_elementwise(EXP2_PACK_PTX_ONE, EXP2_PACK_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
-                                      pack=4)
-    elif ON_FMA == 2:
-        p = gl.inline_asm_elementwise(EXP2_PACK_PTX_TWO, EXP2_PACK_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
-                                      pack=4)
-    else:
-        p = gl.exp2(x)
-    return p
-
-
 @gluon.jit
 def _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr, EXP2_ON_FMA: gl.constexpr = 0):
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """(P, alpha, m, l) of raw scores S for one key tile: m the running row max in log2 units, alpha the
     factor that rescales what was accumulated under the old max. Unmasked tiles fold the scale into the
-    exponent's FMA. EXP2_ON_FMA: `_exponentials`."""
+    exponent's FMA."""
     if MASKED:
         s = s * qk_scale
         offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -181,10 +128,10 @@ def _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED: gl.conste
             s = s + gl.where(offs_n[None, :] <= offs_m[:, None], 0.0, MASK_VALUE_LOG2)
         s = gl.where(offs_n[None, :] < n_keys, s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
-        p = _exponentials(s - m_new[:, None], EXP2_ON_FMA)
+        p = gl.exp2(s - m_new[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = _exponentials(s * qk_scale - m_new[:, None], EXP2_ON_FMA)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -198,8 +145,7 @@ def _rescale(acc, alpha):
 @gluon.jit
 def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, offs_m, start_tile,
                end_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, RESCALE_EARLY: gl.constexpr,
-               EXP2_ON_FMA: gl.constexpr):
+               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, RESCALE_EARLY: gl.constexpr):
     """Fold key tiles [start_tile, end_tile) into (acc, m_i, l_i). (p, alpha) come from the previous tile's
     softmax. RESCALE_EARLY: each step rescales acc by alpha and casts P while its own S runs (p is fp32, as
     the softmax left it); else it does both after waiting for P V (p is already the product's operand)."""
@@ -224,7 +170,7 @@ def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, 
         _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, tile + STAGES, tile + STAGES - 2, last_tile, BLOCK_N,
                 STAGES)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
-                                           s_layout, EXP2_ON_FMA)
+                                           s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
         if not RESCALE_EARLY:
             acc = _rescale(acc, alpha)
@@ -237,11 +183,10 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
                                q_strides, k_strides, v_strides, o_strides,
                                n_heads, n_queries, n_keys, qk_scale,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESCALE_EARLY: gl.constexpr = True,
-                               EXP2_ON_FMA: gl.constexpr = 0):
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESCALE_EARLY: gl.constexpr = True):
     """One program per (query tile, batch x head): O and L of BLOCK_M queries. qk_scale is
     log2(e) / sqrt(d): scores in log2 units. RESCALE_EARLY: see `_key_tiles` (False keeps fewer registers
-    live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas). EXP2_ON_FMA: `_exponentials`."""
+    live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas)."""
     gl.static_assert(STAGES >= 2, "the V ring is refilled one step behind the K ring")
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_N)
@@ -278,18 +223,17 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     gl.thread_barrier()
     _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, STAGES, STAGES - 2, last_tile, BLOCK_N, STAGES)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout,
-                                       EXP2_ON_FMA)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
     if not RESCALE_EARLY:
         p = gl.convert_layout(p.to(dtype), op_layout)
 
     # Tiles every query of the tile sees in full (no index comparisons), then the diagonal and ragged ones.
     acc, m_i, l_i, p, alpha = _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                                          v_desc, offs_m, 1, unmasked_end, last_tile, n_keys, qk_scale, False,
-                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY, EXP2_ON_FMA)
+                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY)
     acc, m_i, l_i, p, alpha = _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
                                          v_desc, offs_m, unmasked_end, last_tile, last_tile, n_keys, qk_scale, True,
-                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY, EXP2_ON_FMA)
+                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY)
     # The last tile's P V product.
     if RESCALE_EARLY:
         acc = _rescale(acc, alpha)
@@ -343,8 +287,7 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
         config = WS_FORWARD_CONFIG if warp_specialised else FORWARD_CONFIG[head_dim]
     strides = [gluon_common.row_strides(t) for t in (q4, k4, v4, o4)]  # one tuple argument per tensor
     args = (q4, k4, v4, o4, lse, *strides, heads, n_queries, k4.shape[2], sm_scale * gluon_common.LOG2E.value)
-    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim,
-                 EXP2_ON_FMA=FORWARD_EXP2_ON_FMA[bool(warp_specialised), head_dim])
+    flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
@@ -365,10 +308,9 @@ WS_CONSUMER_ROWS = gl.constexpr(64)
 def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, m0,
                  last_tile, STAGES: gl.constexpr):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
-    mbarrier.expect(q_bar, CONSUMERS * q_desc.block_type.nbytes)
-    for part in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [m0 + part * WS_CONSUMER_ROWS, 0], q_bar, q_smem.index(part))
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    for half in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [m0 + half * WS_CONSUMER_ROWS, 0], q_bar, q_smem.index(half))
     for tile in range(0, last_tile):
         slot = tile % STAGES
         free = ((tile // STAGES) & 1) ^ 1  # a fresh barrier counts as released once: the first round passes
@@ -383,7 +325,7 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
 @gluon.jit
 def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                   start_tile, end_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
+                  STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """`_key_tiles` (early rescale) for one consumer warpgroup, releasing slots by mbarrier instead of a CTA
     barrier."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -401,24 +343,24 @@ def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_em
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
-                                           s_layout, EXP2_ON_FMA)
+                                           s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
         mbarrier.arrive(v_empty.index(previous))
     return acc, m_i, l_i, p, alpha
 
 
 @gluon.jit
-def _ws_consumer(part: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                  lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EXP2_ON_FMA: gl.constexpr):
-    """One consumer warpgroup: O and L of query rows m0 + 64 * part onwards."""
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
     s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_N)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     dtype: gl.constexpr = k_smem.dtype
-    rows0 = m0 + part * WS_CONSUMER_ROWS
-    q_tile = q_smem.index(part)
+    rows0 = m0 + half * WS_CONSUMER_ROWS
+    q_tile = q_smem.index(half)
     offs_m = rows0 + gl.arange(0, WS_CONSUMER_ROWS, layout=row_layout)
     m_i = gl.full([WS_CONSUMER_ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([WS_CONSUMER_ROWS], gl.float32, row_layout)
@@ -430,14 +372,13 @@ def _ws_consumer(part: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
                       gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     mbarrier.arrive(k_empty.index(0))
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout,
-                                       EXP2_ON_FMA)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
     acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
                                             v_ready, v_empty, offs_m, 1, unmasked_end, n_keys, qk_scale, False,
-                                            IS_CAUSAL, STAGES, s_layout, op_layout, EXP2_ON_FMA)
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
     acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
                                             v_ready, v_empty, offs_m, unmasked_end, last_tile, n_keys, qk_scale, True,
-                                            IS_CAUSAL, STAGES, s_layout, op_layout, EXP2_ON_FMA)
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
     acc = _rescale(acc, alpha)
     last = (last_tile - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((last_tile - 1) // STAGES) & 1)
@@ -455,66 +396,35 @@ def _ws_consumer(part: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
     tma.store_wait(pendings=0)
 
 
-@triton.constexpr_function
-def _worker_consumer_regs(consumers, asked):
-    # Three consumers of 128 threads at 160 registers and the producer's warp at 24 fit the SM's 65536 with the
-    # first consumer at 184 (FA3 gives its three consumer warpgroups 160 each at d 64).
-    return asked if consumers == 2 else min(asked, 160)
-
-
 @gluon.jit
 def flash_forward_ws_kernel(Q, K, V, O, L,
                             q_strides, k_strides, v_strides, o_strides,
                             n_heads, n_queries, n_keys, qk_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240,
-                            EXP2_ON_FMA: gl.constexpr = 0):
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240):
     """flash_forward_gluon_kernel's contract, warp-specialised: launched with num_warps=4 (the first consumer);
-    the other consumers (4 warps each) and the producer (1 warp) are worker partitions. BLOCK_M is 128 (two
-    consumers) or 192 (three, FA3's tile at d 64). CONSUMER_REGS: registers of each worker consumer after
-    reallocation, at most 160 with three (`_worker_consumer_regs`); the first gets what the producer's 24 and
-    these leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
-    CONSUMERS: gl.constexpr = BLOCK_M // WS_CONSUMER_ROWS
-    gl.static_assert(BLOCK_M == CONSUMERS * WS_CONSUMER_ROWS, "consumer warpgroups of 64 rows each")
-    gl.static_assert(CONSUMERS >= 2, "two or three consumer warpgroups")
-    gl.static_assert(CONSUMERS <= 3, "two or three consumer warpgroups")
+    the second consumer (4 warps) and the producer (1 warp) are worker partitions. BLOCK_M must be 128.
+    CONSUMER_REGS: registers of the second consumer after reallocation; the first gets what the producer's 24 and
+    this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
+    gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    WORKER_REGS: gl.constexpr = _worker_consumer_regs(CONSUMERS, CONSUMER_REGS)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
     v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
     o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, WS_CONSUMER_ROWS, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WS_CONSUMER_ROWS, HEAD_DIM], q_desc.layout)
     # Empty barriers released by one arrive per consumer warpgroup.
-    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES,
-                                                                                             CONSUMERS)
+    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 2)
 
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lse_row = L + batch_head.to(gl.int64) * n_queries
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                            EXP2_ON_FMA)),
-            (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                            EXP2_ON_FMA)),
-            (_ws_consumer, (2, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                            EXP2_ON_FMA)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                            m0, last_tile, STAGES)),
-        ], [4, 4, 1], [WORKER_REGS, WORKER_REGS, 24])
-    else:
-        gl.warp_specialize([
-            (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                            EXP2_ON_FMA)),
-            (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
-                            last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                            EXP2_ON_FMA)),
-            (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                            m0, last_tile, STAGES)),
-        ], [4, 1], [WORKER_REGS, 24])
+    gl.warp_specialize([
+        (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                        m0, last_tile, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])

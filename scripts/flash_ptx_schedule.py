@@ -102,9 +102,6 @@ def kernels(dtype: str) -> dict:
                              | {"L": "*fp32"}, {"CONSUMER_REGS": 240}, hopper_forward.WS_FORWARD_CONFIG),
         "forward-gluon-late": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                                | {"L": "*fp32"}, {"RESCALE_EARLY": False}, hopper_forward.FORWARD_CONFIG[128]),
-        "forward-gluon-ws-pingpong": (hopper_forward.flash_forward_ws_kernel, {n: t for n in ("Q", "K", "V", "O")}
-                                      | {"L": "*fp32"}, {"CONSUMER_REGS": 240, "PINGPONG": True},
-                                      hopper_forward.WS_FORWARD_CONFIG),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {"QDO_REGS": 0}, hopper_backward.DQ_CONFIG[128]),
     }

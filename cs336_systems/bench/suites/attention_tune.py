@@ -37,8 +37,7 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
 
-KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws",
-           "forward-gluon-ws-pingpong", "dkdv", "dkdv-tma",
+KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
            "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
            "dq-gluon-q", "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
            "fused-gluon-atomic", "fused-gluon-ws")
@@ -48,7 +47,7 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # Q/K/V loads and the O store through tensor descriptors, `forward-gluon` the Hopper forward with the softmax
 # overlapping the previous tile's P V product (kernels/flash_attention/hopper_forward.py; `-late`: acc rescaled
 # after that product instead of while the next S runs; `-ws`: warp-specialised, a producer warp and two consumer
-# warpgroups; `-ws-pingpong`: those consumers taking turns at the tensor cores); `dkdv-tma` / `dq-tma`
+# warpgroups); `dkdv-tma` / `dq-tma`
 # the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
 # passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
 # only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
@@ -56,7 +55,7 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
 # split, kernels/flash_attention/hopper_one_pass.py, head dim 64 or 128).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
-                      "forward-gluon-ws": 1.0, "forward-gluon-ws-pingpong": 1.0,
+                      "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
                       "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
                       "dq-gluon-qdo": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5,
@@ -84,7 +83,6 @@ GLUON_SPACE = {
     "forward-gluon": FORWARD_GLUON_SPACE, "forward-gluon-late": FORWARD_GLUON_SPACE,
     # warps: the first consumer's (the default partition); BLOCK_M is two consumers' 64 rows.
     "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
-    "forward-gluon-ws-pingpong": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
     "fused-gluon-atomic": FUSED_GLUON_SPACE,
     # 128 keys (two consumer warpgroups of 64) x 64 queries; 3 stages fit at d 64 only (225 KiB at d 128)
@@ -183,7 +181,6 @@ def _launches(inputs, causal: bool) -> dict:
         launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
         launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
         launches["forward-gluon-ws"] = forward_ws
-        launches["forward-gluon-ws-pingpong"] = variant(forward_ws, PINGPONG=True)
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),
@@ -342,7 +339,7 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
         summary.append(dict(shape=f"{batch}x{heads}x{seq}x{d}", best_fwd=best.get("forward"),
                             best_fwd_tma=best.get("forward-tma"),
                             best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late",
-                                                         "forward-gluon-ws", "forward-gluon-ws-pingpong"]).min(),
+                                                         "forward-gluon-ws"]).min(),
                             best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",

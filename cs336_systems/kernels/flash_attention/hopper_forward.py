@@ -323,39 +323,23 @@ def _ws_producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready,
 
 
 @gluon.jit
-def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turns, offs_m,
+def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, offs_m,
                   start_tile, end_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, PART: gl.constexpr,
-                  PINGPONG: gl.constexpr):
+                  STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
     """`_key_tiles` (early rescale) for one consumer warpgroup, releasing slots by mbarrier instead of a CTA
-    barrier. PINGPONG: the two consumers take turns to issue a step's products (FA3's warp scheduler barriers):
-    each waits for its turn (`turns.index(PART)`), issues S_j and P_{j-1} V_{j-1}, and hands the turn over, so one
-    warpgroup's softmax runs while the other's products have the tensor cores."""
+    barrier."""
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = k_smem.dtype
     for tile in range(start_tile, end_tile):
         slot = tile % STAGES
+        mbarrier.wait(k_ready.index(slot), (tile // STAGES) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
+                          gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        acc = _rescale(acc, alpha)
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
         previous = (tile - 1) % STAGES
-        if PINGPONG:
-            acc = _rescale(acc, alpha)
-            p_op = gl.convert_layout(p.to(dtype), op_layout)
-            mbarrier.wait(k_ready.index(slot), (tile // STAGES) & 1)
-            mbarrier.wait(v_ready.index(previous), ((tile - 1) // STAGES) & 1)
-            mbarrier.wait(turns.index(PART), (tile - 1) & 1)  # a turn a step: tiles 1, 2, ... in both consumers
-            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
-                              gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                              is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(previous), acc, is_async=True)
-            mbarrier.arrive(turns.index(1 - PART))
-        else:
-            mbarrier.wait(k_ready.index(slot), (tile // STAGES) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)),
-                              gl.zeros([WS_CONSUMER_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                              is_async=True)
-            acc = _rescale(acc, alpha)
-            p_op = gl.convert_layout(p.to(dtype), op_layout)
-            mbarrier.wait(v_ready.index(previous), ((tile - 1) // STAGES) & 1)
-            acc = warpgroup_mma(p_op, v_smem.index(previous), acc, is_async=True)
+        mbarrier.wait(v_ready.index(previous), ((tile - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(previous), acc, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot))
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
@@ -367,8 +351,8 @@ def _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_em
 
 @gluon.jit
 def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                 turns, lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                 lse_row, m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: O and L of query rows m0 + 64 * half onwards."""
     s_layout: gl.constexpr = gluon_common.wgmma_layout(4, BLOCK_N)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(4, HEAD_DIM)
@@ -390,11 +374,11 @@ def _ws_consumer(half: gl.constexpr, o_desc, q_smem, k_smem, v_smem, q_bar, k_re
     mbarrier.arrive(k_empty.index(0))
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
     acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
-                                            v_ready, v_empty, turns, offs_m, 1, unmasked_end, n_keys, qk_scale, False,
-                                            IS_CAUSAL, STAGES, s_layout, op_layout, half, PINGPONG)
+                                            v_ready, v_empty, offs_m, 1, unmasked_end, n_keys, qk_scale, False,
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
     acc, m_i, l_i, p, alpha = _ws_key_tiles(acc, m_i, l_i, p, alpha, q_tile, k_smem, v_smem, k_ready, k_empty,
-                                            v_ready, v_empty, turns, offs_m, unmasked_end, last_tile, n_keys, qk_scale,
-                                            True, IS_CAUSAL, STAGES, s_layout, op_layout, half, PINGPONG)
+                                            v_ready, v_empty, offs_m, unmasked_end, last_tile, n_keys, qk_scale, True,
+                                            IS_CAUSAL, STAGES, s_layout, op_layout)
     acc = _rescale(acc, alpha)
     last = (last_tile - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((last_tile - 1) // STAGES) & 1)
@@ -417,13 +401,11 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
                             q_strides, k_strides, v_strides, o_strides,
                             n_heads, n_queries, n_keys, qk_scale,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240,
-                            PINGPONG: gl.constexpr = False):
+                            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr = 240):
     """flash_forward_gluon_kernel's contract, warp-specialised: launched with num_warps=4 (the first consumer);
     the second consumer (4 warps) and the producer (1 warp) are worker partitions. BLOCK_M must be 128.
     CONSUMER_REGS: registers of the second consumer after reallocation; the first gets what the producer's 24 and
-    this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248).
-    PINGPONG: the consumers take turns at the tensor cores (`_ws_key_tiles`)."""
+    this leave of the 65536 (ptxas at d 128, 128 x 128 tiles: no spills at 240, spills at 232 and at 248)."""
     gl.static_assert(BLOCK_M == 2 * WS_CONSUMER_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
@@ -436,22 +418,13 @@ def flash_forward_ws_kernel(Q, K, V, O, L,
     # Empty barriers released by one arrive per consumer warpgroup.
     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 2)
 
-    if PINGPONG:  # one barrier per consumer, completed by the other's hand-over; the first consumer starts
-        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(turns.index(0), count=1)
-        mbarrier.init(turns.index(1), count=1)
-        mbarrier.arrive(turns.index(0))
-    else:
-        turns = k_ready  # unused
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     lse_row = L + batch_head.to(gl.int64) * n_queries
     gl.warp_specialize([
-        (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turns, lse_row,
-                        m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                        PINGPONG)),
-        (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turns, lse_row,
-                        m0, last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES,
-                        PINGPONG)),
+        (_ws_consumer, (0, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
+        (_ws_consumer, (1, o_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, lse_row, m0,
+                        last_tile, unmasked_end, n_queries, n_keys, qk_scale, IS_CAUSAL, HEAD_DIM, BLOCK_N, STAGES)),
         (_ws_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                         m0, last_tile, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])

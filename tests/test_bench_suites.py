@@ -1,5 +1,7 @@
 """The attention, collectives, ddp, sharding and fsdp suites, run small on CPU (gloo, 2 processes)."""
 
+import re
+
 import pytest
 import torch
 
@@ -86,13 +88,17 @@ def test_attention_tuning_space_respects_the_causal_split():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter would stick to the process's kernels; "
                     "on a GPU the attention-tune stage runs the real thing")
-def test_attention_tuning_times_each_kernel_config_under_the_interpreter(tmp_path, monkeypatch):
+def test_attention_tuning_times_each_kernel_config_under_the_interpreter(tmp_path, monkeypatch, capsys):
     # Triton binds a kernel to the interpreter at its first launch in the process: setting TRITON_INTERPRET here
     # on a GPU machine would send every later GPU test in this worker through the interpreter.
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     # fp16: bf16 is refused on the CPU (the interpreter's bf16 products are wrong; test_bad_inputs.py).
     assert main(["attention-tune", "--device", "cpu", "--dtype", "fp16", "--shape", "1x2x40x16", "--limit", "1",
                  "--rep-ms", "1", "--results-dir", str(tmp_path), "--no-progress"]) == 0
+    # The shape's line comes as soon as it is done (a run cut by a time limit keeps it): best of each kernel, then
+    # the shipped passes against cuDNN's (absent on the CPU).
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("1x2x40x16: "))
+    assert re.search(r"forward \d+\.\d{3} \(\d+x\d+ w\d s\d\)", line) and "triton fwd " in line, line
     rows = load_rows(tmp_path / "attention-tune.jsonl")
     timed = {r["config"]["kernel"]: r for r in rows if r["metric"] == "time" and r["status"] == "ok"}
     assert {"forward", "dkdv", "dq", "preprocess", "fwd"} <= set(timed)

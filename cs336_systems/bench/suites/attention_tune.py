@@ -278,6 +278,7 @@ def run(args) -> int:
                       value=flops_fwd * KERNEL_FLOP_FACTOR[kernel] / (timing.median / 1e3) / 1e12)
         launches = None
         _time_whole_passes(shape, base, args, store, attention_fn, measure_pass)
+        print(shape_line(store.frame(), shape), flush=True)
     _print_summary(store.frame(), args)
     print(f"\nrows appended to {store.path}")
     return 0
@@ -312,6 +313,20 @@ def _time_whole_passes(shape, base, args, store, attention_fn, measure) -> None:
                 continue
             store.add(provider="triton", config=base | dict(kernel=kernel, tuning_key=key),
                       metric="autotune_choice", unit="config", message=config)
+
+
+def shape_line(frame: pd.DataFrame, shape: tuple[int, int, int, int]) -> str:
+    """One shape's results as soon as they are in (a run cut short by a time limit still shows the shapes it
+    finished): the best config of each kernel and the shipped passes against cuDNN's, in ms."""
+    batch, heads, seq, d = shape
+    rows = frame[(frame["metric"] == "time") & (frame["status"] == "ok") & (frame["batch"] == batch)
+                 & (frame["heads"] == heads) & (frame["seq"] == seq) & (frame["d"] == d)]
+    tuned = rows[rows["kernel"].isin(KERNELS)].sort_values("median").groupby("kernel", sort=False).head(1)
+    parts = [f"{r.kernel} {r.median:.3f} ({r.block_m:.0f}x{r.block_n:.0f} w{r.num_warps:.0f} s{r.num_stages:.0f})"
+             for r in tuned.itertuples()]  # (the frame's config columns are floats: other rows leave them empty)
+    passes = rows[rows["kernel"].isin(["fwd", "bwd"]) & rows["provider"].isin(["triton", "sdpa-cudnn"])]
+    parts += [f"{r.provider} {r.kernel} {r.median:.3f}" for r in passes.itertuples()]
+    return f"{batch}x{heads}x{seq}x{d}: " + "; ".join(parts)
 
 
 def best_configs(frame: pd.DataFrame):

@@ -102,12 +102,26 @@ def kernels(dtype: str) -> dict:
                              | {"L": "*fp32"}, {"CONSUMER_REGS": 240}, hopper_forward.WS_FORWARD_CONFIG),
         "forward-gluon-late": (hopper_forward.flash_forward_gluon_kernel, {n: t for n in ("Q", "K", "V", "O")}
                                | {"L": "*fp32"}, {"RESCALE_EARLY": False}, hopper_forward.FORWARD_CONFIG[128]),
+        # On the host's 4D descriptors: their types carry the config's tiles (`host_descriptor_types`).
+        "forward-gluon-late-host": (hopper_forward.flash_forward_gluon_kernel, {"L": "*fp32"},
+                                    {"RESCALE_EARLY": False, "HOST_DESCRIPTORS": True},
+                                    hopper_forward.FORWARD_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {"QDO_REGS": 0}, hopper_backward.DQ_CONFIG[128]),
     }
 
 # Tuple-of-tuples stride arguments of the Gluon backward kernels: name -> how many tensors' strides.
 NESTED_STRIDES = {"input_strides": 4, "key_grad_strides": 2}
+
+
+def host_descriptor_types(dtype: str, block_m: int, block_n: int, head_dim: int) -> dict:
+    """Q, K, V, O as the host's 4D tensor descriptors (`gluon_common.host_row_tiles`) of one config's tiles."""
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    element = DTYPES[dtype].lstrip("*")
+    return {name: f"tensordesc<{element}[1,1,{rows},{head_dim}],{layout}>"
+            for name, rows in (("Q", block_m), ("K", block_n), ("V", block_n), ("O", block_m))}
 
 
 def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:
@@ -234,6 +248,8 @@ def main() -> None:
                     constexprs |= {n: None for n in ROW_STATS}
                 else:
                     pointers = pointers | {n: "*fp32" for n in ROW_STATS}
+            if extra.get("HOST_DESCRIPTORS"):
+                pointers = pointers | host_descriptor_types(args.dtype, bm, bn, args.d)
             try:
                 compiled = triton.compile(source(fn, pointers, constexprs, gluon), target=target,
                                           options=dict(num_warps=warps, num_stages=1 if gluon else stages))
@@ -248,7 +264,9 @@ def main() -> None:
                 (args.ptx_dir / f"{name}_{bm}x{bn}_w{warps}_s{stages}_d{args.d}_{args.dtype}.ptx").write_text(ptx)
             print(f"{name:10} {bm}x{bn} w{warps} s{stages}: shared {compiled.metadata.shared // 1024} KiB, "
                   f"cp.async {len(re.findall(r'cp[.]async[.]c[ag]', ptx))}, "
-                  f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}, {registers_and_spills(ptx, args.arch)}; "
+                  f"TMA {len(re.findall(r'cp[.]async[.]bulk', ptx))}, "
+                  f"descriptors made {len(re.findall(r'tensormap[.]cp_fenceproxy', ptx))}, "
+                  f"{registers_and_spills(ptx, args.arch)}; "
                   f"{schedule(ptx)[:160]}")
 
 

@@ -1012,6 +1012,66 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
 
 
 @requires_hopper
+@pytest.mark.parametrize("heads_view", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, heads_view):
+    """The in-warpgroup forward on the host's 4D tensor descriptors (attention-tune kernel forward-gluon-late-host),
+    every tuned config, on contiguous inputs and on the model's strided head views of the same shape: O within
+    PyTorch's own bf16 error of the fp64 reference and in q's layout, L to fp32 rounding; rows past the end neither
+    read from the next head nor written."""
+    import triton
+
+    from cs336_systems.bench.suites.attention_tune import FORWARD_GLUON_SPACE
+    from cs336_systems.kernels.flash_attention import hopper_forward
+    from cs336_systems.kernels.flash_attention.buffers import forward_buffers
+
+    batch, heads, n_queries, n_keys, d = shape
+    if heads_view:
+        if n_queries != n_keys:
+            pytest.skip("the head views share one length")
+        q, k, v = _head_views(3, batch, n_queries, heads or 1, d, seed=6)
+    else:  # (no heads: (batch, seq, d), one head)
+        q, k, v = (t.detach() if t.dim() == 4 else t.detach().unsqueeze(1)
+                   for t in _inputs(*shape, torch.bfloat16, "cuda"))
+    exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
+    low = naive_attention(q, k, v, causal, upcast=False)
+    checked = 0
+    for config in FORWARD_GLUON_SPACE:
+        out, lse = forward_buffers(q)
+        out.fill_(float("nan"))
+        launch = hopper_forward.forward_pass(q, k, v, out, lse, causal, d ** -0.5, warp_specialised=False,
+                                             host_descriptors=True)
+        try:
+            launch.with_config(*config)()
+        except triton.runtime.errors.OutOfResources:
+            continue
+        checked += 1
+        assert out.stride() == q.stride(), config
+        assert_within_budget(f"out {config}", out, exact, low)
+        assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, config
+    assert checked >= 6, checked
+
+
+def test_the_forward_on_host_descriptors_makes_none_per_program():
+    """The host-descriptor forward compiles for sm_90 (any machine) with 4D tensor copies and no descriptor made in
+    the kernel, where the default makes four per program (Q, K, V, O), and keeps the same loop schedule."""
+    import re
+
+    done = _run_ptx_script("--kernel", "forward-gluon-late,forward-gluon-late-host", "--d", "64", "--config",
+                           "64x64x4x2,128x128x8x2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    made = {(line.split()[0], line.split()[1]): int(re.search(r"descriptors made (\d+)", line).group(1))
+            for line in lines}
+    assert made == {("forward-gluon-late", "64x64"): 4, ("forward-gluon-late", "128x128"): 4,
+                    ("forward-gluon-late-host", "64x64"): 0, ("forward-gluon-late-host", "128x128"): 0}, made
+    schedules = [line.split(";")[1] for line in lines]
+    assert schedules[0] == schedules[2] and schedules[1] == schedules[3], lines
+    assert all("0 B spilled" in line for line in lines), lines
+
+
+@requires_hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_warp_specialised_forward_configs_match_reference(shape, causal):

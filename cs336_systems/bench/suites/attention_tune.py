@@ -24,6 +24,7 @@ import argparse
 import concurrent.futures as futures
 import dataclasses
 import itertools
+import math
 import multiprocessing
 import os
 
@@ -37,7 +38,8 @@ from cs336_systems.profiling.flops import attention_flops
 from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import ResultStore, format_table
 
-KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-ws", "dkdv", "dkdv-tma",
+KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-late-host",
+           "forward-gluon-ws", "dkdv", "dkdv-tma",
            "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
            "dq-gluon-q", "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
            "fused-gluon-atomic", "fused-gluon-ws")
@@ -46,7 +48,9 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # Hopper), `fused-atomic` the same with pointer atomics for the reduction; `forward-tma` the forward with
 # Q/K/V loads and the O store through tensor descriptors, `forward-gluon` the Hopper forward with the softmax
 # overlapping the previous tile's P V product (kernels/flash_attention/hopper_forward.py; `-late`: acc rescaled
-# after that product instead of while the next S runs; `-ws`: warp-specialised, a producer warp and two consumer
+# after that product instead of while the next S runs; `-late-host`: the same on the host's 4D tensor descriptors,
+# one per tensor and launch, where the others make one per program; `-ws`: warp-specialised, a producer warp and two
+# consumer
 # warpgroups); `dkdv-tma` / `dq-tma`
 # the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
 # passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
@@ -55,6 +59,7 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
 # split, kernels/flash_attention/hopper_one_pass.py, head dim 64 or 128).
 KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, "forward-gluon-late": 1.0,
+                      "forward-gluon-late-host": 1.0,
                       "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
                       "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
@@ -81,6 +86,7 @@ FORWARD_GLUON_SPACE = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2), (128
                        (64, 128, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
 GLUON_SPACE = {
     "forward-gluon": FORWARD_GLUON_SPACE, "forward-gluon-late": FORWARD_GLUON_SPACE,
+    "forward-gluon-late-host": FORWARD_GLUON_SPACE,
     # warps: the first consumer's (the default partition); BLOCK_M is two consumers' 64 rows.
     "forward-gluon-ws": [(128, 128, 4, 2), (128, 128, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3)],
     "fused-gluon": FUSED_GLUON_SPACE, "fused-gluon-s1": FUSED_GLUON_SPACE, "fused-gluon-s2": FUSED_GLUON_SPACE,
@@ -149,6 +155,7 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
+    from cs336_systems.kernels.flash_attention import hopper_forward
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
@@ -181,6 +188,9 @@ def _launches(inputs, causal: bool) -> dict:
         launches["forward-gluon"] = variant(forward_gluon, RESCALE_EARLY=True)
         launches["forward-gluon-late"] = variant(forward_gluon, RESCALE_EARLY=False)
         launches["forward-gluon-ws"] = forward_ws
+        launches["forward-gluon-late-host"] = variant(
+            hopper_forward.forward_pass(*forward_gluon.args[:5], causal, 1.0 / math.sqrt(q.shape[-1]),
+                                        warp_specialised=False, host_descriptors=True), RESCALE_EARLY=False)
     if isinstance(dkdv_gluon, GluonPass):  # inputs the Gluon passes take (else those kernels are absent)
         launches |= {"dkdv-gluon": variant(dkdv_gluon, KV_REGS=0), "dkdv-gluon-k": variant(dkdv_gluon, KV_REGS=1),
                      "dkdv-gluon-kv": variant(dkdv_gluon, KV_REGS=2), "dq-gluon": variant(dq_gluon, QDO_REGS=0),
@@ -355,6 +365,7 @@ def _print_summary(frame: pd.DataFrame, args) -> None:
                             best_fwd_tma=best.get("forward-tma"),
                             best_fwd_gluon=best.reindex(["forward-gluon", "forward-gluon-late",
                                                          "forward-gluon-ws"]).min(),
+                            best_fwd_gluon_host=best.get("forward-gluon-late-host"),
                             best_bwd=best_bwd,
                             best_fused_bwd=best.get("fused", float("nan")) + preprocess,
                             best_fused_gluon_bwd=best.reindex(["fused-gluon", "fused-gluon-s1", "fused-gluon-s2",

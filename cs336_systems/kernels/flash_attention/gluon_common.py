@@ -55,6 +55,34 @@ def row_tiles(base, n_rows, stride_row, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.c
                                       layout=tile_layout(base.dtype.element_ty.primitive_bitwidth))
 
 
+@triton.constexpr_function
+def tile_rows(block_shape):
+    """The rows of a descriptor's tile: (rows, d) in the kernels' own, (1, 1, rows, d) in the host's 4D ones."""
+    return block_shape[len(block_shape) - 2]
+
+
+@gluon.jit
+def copy_rows_in(desc, b, h, row, bar, smem, pred, HOST: gl.constexpr):
+    """Start the copy engine on one tile of batch b, head h's rows from `row` on, into smem (rows, d), signalling
+    bar: through a descriptor of that head made in the kernel (`head_row_tiles`), or (HOST) the host's 4D
+    descriptor over (batch, heads, rows, d), made once per launch (`host_row_tiles`)."""
+    if HOST:
+        tma.async_copy_global_to_shared(desc, [b.to(gl.int32), h.to(gl.int32), row, 0], bar,
+                                        smem.reshape([1, 1, smem.shape[0], smem.shape[1]]), pred=pred)
+    else:
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, smem, pred=pred)
+
+
+@gluon.jit
+def copy_rows_out(desc, b, h, row, smem, HOST: gl.constexpr):
+    """`copy_rows_in`'s way back: smem (rows, d) to batch b, head h's rows from `row` on (rows past the end clipped)."""
+    if HOST:
+        tma.async_copy_shared_to_global(desc, [b.to(gl.int32), h.to(gl.int32), row, 0],
+                                        smem.reshape([1, 1, smem.shape[0], smem.shape[1]]))
+    else:
+        tma.async_copy_shared_to_global(desc, [row, 0], smem)
+
+
 @gluon.jit
 def head_row_tiles(ptr, b, h, strides, n_rows, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
     """`row_tiles` of batch b, head h's matrix; `strides`: the tensor's (batch, head, row) strides, one tuple
@@ -99,10 +127,11 @@ def key_value_rings(k_desc, v_desc, STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.con
     also an empty barrier per slot (released by that many arrivals: the warp-specialised forward's consumers),
     else the ready barriers stand in for them unused. Allocated right after the caller's Q buffer, in this order.
     (k ring, v ring, q barrier, k ready, v ready, k empty, v empty)"""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    BLOCK_N: gl.constexpr = tile_rows(k_desc.block_type.shape)  # (the kernels' 2D descriptors or the host's 4D)
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[len(k_desc.block_type.shape) - 1]
+    layout: gl.constexpr = tile_layout(k_desc.dtype.primitive_bitwidth)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -200,6 +229,16 @@ def zero_first_row_t(dsT, tile, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, B
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         dsT = gl.where(offs_m[None, :] == 0, 0.0, dsT)
     return dsT
+
+
+def host_row_tiles(t4: torch.Tensor, rows: int):
+    """A host TMA descriptor over a (batch, heads, rows, d) tensor in (1, 1, rows, d) tiles, any strides the copy
+    engine takes (`tma_eligible`): the model's head views included. Made once per launch, where `head_row_tiles`
+    makes one per program (each a descriptor written to global memory and fenced)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=t4.element_size() * 8, rank=4)
+    return TensorDescriptor(t4, list(t4.shape), list(t4.stride()), [1, 1, rows, t4.shape[3]], layout)
 
 
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -69,17 +69,18 @@ SHORT_FORWARD_CONFIG = {64: (64, 64, 4, 2)}
 
 
 @gluon.jit
-def _fill_tile(bars, smem, desc, tile, end_tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _fill_tile(bars, smem, desc, b, h, tile, end_tile, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               HOST: gl.constexpr):
     """Start copying key tile `tile` of one matrix (K or V) into its ring slot (nothing past end_tile)."""
     slot = tile % STAGES
     pred = tile < end_tile
     mbarrier.expect(bars.index(slot), desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [tile * BLOCK_N, 0], bars.index(slot), smem.index(slot), pred=pred)
+    gluon_common.copy_rows_in(desc, b, h, tile * BLOCK_N, bars.index(slot), smem.index(slot), pred, HOST)
 
 
 @gluon.jit
-def _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, k_tile, v_tile, end_tile, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr):
+def _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, b, h, k_tile, v_tile, end_tile, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, HOST: gl.constexpr):
     """_fill_tile for a K tile and a V tile, both barriers armed before either copy starts: the compiler puts a
     CTA barrier between arming a barrier and a copy that signals it, so this takes one where two fills take two."""
     k_slot = k_tile % STAGES
@@ -88,10 +89,10 @@ def _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, k_tile, v_tile, end_
     v_pred = v_tile < end_tile
     mbarrier.expect(k_bars.index(k_slot), k_desc.block_type.nbytes, pred=k_pred)
     mbarrier.expect(v_bars.index(v_slot), v_desc.block_type.nbytes, pred=v_pred)
-    tma.async_copy_global_to_shared(k_desc, [k_tile * BLOCK_N, 0], k_bars.index(k_slot), k_smem.index(k_slot),
-                                    pred=k_pred)
-    tma.async_copy_global_to_shared(v_desc, [v_tile * BLOCK_N, 0], v_bars.index(v_slot), v_smem.index(v_slot),
-                                    pred=v_pred)
+    gluon_common.copy_rows_in(k_desc, b, h, k_tile * BLOCK_N, k_bars.index(k_slot), k_smem.index(k_slot), k_pred,
+                              HOST)
+    gluon_common.copy_rows_in(v_desc, b, h, v_tile * BLOCK_N, v_bars.index(v_slot), v_smem.index(v_slot), v_pred,
+                              HOST)
 
 
 @gluon.jit
@@ -143,14 +144,15 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, offs_m, start_tile,
-               end_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
-               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, RESCALE_EARLY: gl.constexpr):
+def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, b, h, offs_m,
+               start_tile, end_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+               STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr, RESCALE_EARLY: gl.constexpr,
+               HOST: gl.constexpr):
     """Fold key tiles [start_tile, end_tile) into (acc, m_i, l_i). (p, alpha) come from the previous tile's
     softmax. RESCALE_EARLY: each step rescales acc by alpha and casts P while its own S runs (p is fp32, as
     the softmax left it); else it does both after waiting for P V (p is already the product's operand)."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
     dtype: gl.constexpr = k_desc.dtype
     for tile in range(start_tile, end_tile):
         _wait_tile(k_bars, tile, STAGES)
@@ -167,8 +169,8 @@ def _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, 
         # Every warp is past S_j (K_j's slot is free) and past the P V product of the step before
         # (V_{j-2}'s slot is free): refill both.
         gl.thread_barrier()
-        _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, tile + STAGES, tile + STAGES - 2, last_tile, BLOCK_N,
-                STAGES)
+        _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, b, h, tile + STAGES, tile + STAGES - 2, last_tile,
+                BLOCK_N, STAGES, HOST)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, tile, n_keys, qk_scale, MASKED, IS_CAUSAL, BLOCK_N,
                                            s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))[0]
@@ -183,10 +185,13 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
                                q_strides, k_strides, v_strides, o_strides,
                                n_heads, n_queries, n_keys, qk_scale,
                                IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESCALE_EARLY: gl.constexpr = True):
+                               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RESCALE_EARLY: gl.constexpr = True,
+                               HOST_DESCRIPTORS: gl.constexpr = False):
     """One program per (query tile, batch x head): O and L of BLOCK_M queries. qk_scale is
     log2(e) / sqrt(d): scores in log2 units. RESCALE_EARLY: see `_key_tiles` (False keeps fewer registers
-    live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas)."""
+    live, 165 against 215 at d 64 on 64 x 128 tiles, ptxas). HOST_DESCRIPTORS: Q, K, V and O are the host's 4D
+    descriptors (`gluon_common.host_row_tiles`, their strides unused) instead of pointers from which each program
+    makes its own."""
     gl.static_assert(STAGES >= 2, "the V ring is refilled one step behind the K ring")
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_N)
@@ -194,21 +199,26 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
-    k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
-    v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
+    if HOST_DESCRIPTORS:
+        q_desc = Q
+        k_desc = K
+        v_desc = V
+    else:
+        q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
+        k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
+        v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], gluon_common.tile_layout(dtype.primitive_bitwidth))
     k_smem, v_smem, q_bar, k_bars, v_bars, _, _ = gluon_common.key_value_rings(k_desc, v_desc, STAGES, 0)
 
     unmasked_end, last_tile = _key_tile_range(m0, n_keys, BLOCK_M, BLOCK_N, IS_CAUSAL)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
+    gluon_common.copy_rows_in(q_desc, b, h, m0, q_bar, q_smem, True, HOST_DESCRIPTORS)
     for ahead in gl.static_range(STAGES):
-        _fill_tile(k_bars, k_smem, k_desc, ahead, last_tile, BLOCK_N, STAGES)
+        _fill_tile(k_bars, k_smem, k_desc, b, h, ahead, last_tile, BLOCK_N, STAGES, HOST_DESCRIPTORS)
     for ahead in gl.static_range(STAGES - 2):
-        _fill_tile(v_bars, v_smem, v_desc, ahead, last_tile, BLOCK_N, STAGES)
+        _fill_tile(v_bars, v_smem, v_desc, b, h, ahead, last_tile, BLOCK_N, STAGES, HOST_DESCRIPTORS)
 
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
@@ -222,18 +232,19 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     gl.thread_barrier()
-    _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, STAGES, STAGES - 2, last_tile, BLOCK_N, STAGES)
+    _refill(k_bars, k_smem, k_desc, v_bars, v_smem, v_desc, b, h, STAGES, STAGES - 2, last_tile, BLOCK_N, STAGES,
+            HOST_DESCRIPTORS)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, offs_m, 0, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_N, s_layout)
     if not RESCALE_EARLY:
         p = gl.convert_layout(p.to(dtype), op_layout)
 
     # Tiles every query of the tile sees in full (no index comparisons), then the diagonal and ragged ones.
     acc, m_i, l_i, p, alpha = _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                                         v_desc, offs_m, 1, unmasked_end, last_tile, n_keys, qk_scale, False,
-                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY)
+                                         v_desc, b, h, offs_m, 1, unmasked_end, last_tile, n_keys, qk_scale, False,
+                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY, HOST_DESCRIPTORS)
     acc, m_i, l_i, p, alpha = _key_tiles(acc, m_i, l_i, p, alpha, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc,
-                                         v_desc, offs_m, unmasked_end, last_tile, last_tile, n_keys, qk_scale, True,
-                                         IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY)
+                                         v_desc, b, h, offs_m, unmasked_end, last_tile, last_tile, n_keys, qk_scale,
+                                         True, IS_CAUSAL, STAGES, s_layout, op_layout, RESCALE_EARLY, HOST_DESCRIPTORS)
     # The last tile's P V product.
     if RESCALE_EARLY:
         acc = _rescale(acc, alpha)
@@ -249,11 +260,14 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     # Q's buffer takes O on its way out (TMA clips rows past n_queries).
     l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
     gl.thread_barrier()
-    o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, BLOCK_M, HEAD_DIM)
+    if HOST_DESCRIPTORS:
+        o_desc = O
+    else:
+        o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, BLOCK_M, HEAD_DIM)
     q_smem.store((acc / l_acc[:, None]).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [m0, 0], q_smem)
+    gluon_common.copy_rows_out(o_desc, b, h, m0, q_smem, HOST_DESCRIPTORS)
     lse = (m_i + gl.log2(l_i)) / gluon_common.LOG2E  # natural log, as the backward reads it
     gl.store(L + batch_head.to(gl.int64) * n_queries + offs_m, lse, mask=offs_m < n_queries)
     tma.store_wait(pendings=0)
@@ -274,11 +288,13 @@ def default_forward(batch: int, heads: int, n_queries: int, n_keys: int, head_di
 
 
 def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch.Tensor, lse: torch.Tensor,
-                 is_causal: bool, sm_scale: float, warp_specialised: bool | None = None) -> GluonPass:
+                 is_causal: bool, sm_scale: float, warp_specialised: bool | None = None,
+                 host_descriptors: bool = False) -> GluonPass:
     """The forward over (batch, heads, seq, d) tensors that are `hopper_backward.eligible` and TMA-eligible;
     O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs.
     warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: as
-    `default_forward` chooses (and its tiles)."""
+    `default_forward` chooses (and its tiles). host_descriptors: the in-warpgroup kernel on the host's 4D tensor
+    descriptors, made per launch (`HOST_DESCRIPTORS`; attention-tune kernel `forward-gluon-late-host`)."""
     batch, heads, n_queries, head_dim = q4.shape
     default_ws, config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim, sm_count(q4.device))
     if warp_specialised is None:
@@ -290,9 +306,20 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
+        if host_descriptors:
+            raise ValueError("host_descriptors: the in-warpgroup forward only (warp_specialised=False)")
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
-    return GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),
-                     config, grid)
+    flags |= dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
+    if not host_descriptors:
+        return GluonPass(flash_forward_gluon_kernel, args, flags, config, grid)
+
+    def host_args(block_m: int, block_n: int) -> tuple:  # the descriptors' tiles are the config's
+        tiles = [gluon_common.host_row_tiles(t, rows) for t, rows in ((q4, block_m), (k4, block_n), (v4, block_n),
+                                                                      (o4, block_m))]
+        return (*tiles, *args[4:])
+
+    return GluonPass(flash_forward_gluon_kernel, args, flags | dict(HOST_DESCRIPTORS=True), config, grid,
+                     args_for=host_args)
 
 
 # ---- The same forward, warp-specialised (FA3's producer / consumer split; default at WARP_SPECIALISED_HEAD_DIMS) ----

@@ -98,14 +98,19 @@ class GluonPass:
     flags: dict
     config: tuple[int, int, int, int]
     grid: Callable[[int, int], tuple[int, int]]  # (BLOCK_M, BLOCK_N) -> grid
+    # (BLOCK_M, BLOCK_N) -> the arguments, where they depend on the tiles (the host's tensor descriptors); else args
+    args_for: Callable[[int, int], tuple] | None = None
 
     def __call__(self):
         self.with_config(*self.config)()
 
+    def _args(self, block_m: int, block_n: int) -> tuple:
+        return self.args if self.args_for is None else self.args_for(block_m, block_n)
+
     def with_config(self, block_m: int, block_n: int, num_warps: int, num_stages: int):
         def launch():
-            self.kernel[self.grid(block_m, block_n)](*self.args, **self.flags, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                     STAGES=num_stages, num_warps=num_warps)
+            self.kernel[self.grid(block_m, block_n)](*self._args(block_m, block_n), **self.flags, BLOCK_M=block_m,
+                                                     BLOCK_N=block_n, STAGES=num_stages, num_warps=num_warps)
         return launch
 
     def launch_for_plan(self):
@@ -113,8 +118,9 @@ class GluonPass:
         block_m, block_n, num_warps, num_stages = self.config
         params = dict(self.flags, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=num_stages)
         grid = self.grid(block_m, block_n)
-        compiled = self.kernel.run(*self.args, grid=grid, warmup=False, num_warps=num_warps, **params)
-        return compiled, grid, bound_values(self.kernel, self.args, params)
+        args = self._args(block_m, block_n)
+        compiled = self.kernel.run(*args, grid=grid, warmup=False, num_warps=num_warps, **params)
+        return compiled, grid, bound_values(self.kernel, args, params)
 
 
 @functools.cache

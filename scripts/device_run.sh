@@ -361,15 +361,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
       ;;
     session63)
-      # The forward on the host's tensor descriptors (~4 min, H100 or H200): its GPU tests (every tuned tile,
-      # contiguous and head views, ragged lengths), then its tiles beside the default in-warpgroup forward's at the d 64
-      # shapes where ours trails cuDNN (short rows, many heads: each program's four descriptors are a fixed cost),
-      # each shape's line printed as it is done.
-      gpu_tests session63 120 tests/test_kernels_flash_attention.py -k "host_descriptors or gluon_forward_matches"
-      timeout 150 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
+      # The passes on the host's tensor descriptors (~5 min, H100 or H200): their GPU tests (every tuned tile,
+      # contiguous and head views, ragged lengths; bit-equal to the shipped kernels), then their tiles beside the
+      # shipped ones (the d 64 dK/dV pass holds K and V in registers: `-kv`) at the d 64 shapes where ours trails
+      # cuDNN (short rows, many heads: each program's descriptors are a fixed cost), each shape printed when done.
+      gpu_tests session63 130 tests/test_kernels_flash_attention.py -k "host_descriptors or gluon_forward_matches"
+      timeout 160 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
         --shape 4x20x2048x64,4x32x4096x64,4x12x512x64,4x32x16384x64 \
-        --kernel forward-gluon-late,forward-gluon-late-host --top 20 --no-progress --results-dir "$R" 2>&1 \
-        | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -30
+        --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \
+        --top 30 --no-progress --results-dir "$R" 2>&1 | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -40
       ;;
     session62-short)
       # session62 where little device time is left (~3.5 min; run it at 84d9f4a12188: the turns were measured slower

@@ -106,6 +106,11 @@ def kernels(dtype: str) -> dict:
         "forward-gluon-late-host": (hopper_forward.flash_forward_gluon_kernel, {"L": "*fp32"},
                                     {"RESCALE_EARLY": False, "HOST_DESCRIPTORS": True},
                                     hopper_forward.FORWARD_CONFIG[128]),
+        "dkdv-gluon-host": (hopper_backward.flash_dkdv_gluon_kernel,
+                            {"L": "*fp32", "Delta": "*fp32", "DQ_ACCUM": "*fp32"},
+                            {"KV_REGS": 0, "HOST_DESCRIPTORS": True}, hopper_backward.DKDV_CONFIG[128]),
+        "dq-gluon-host": (hopper_backward.flash_dq_gluon_kernel, {"L": "*fp32", "Delta": "*fp32"},
+                          {"QDO_REGS": 0, "HOST_DESCRIPTORS": True}, hopper_backward.DQ_CONFIG[128]),
         "dq-gluon": (hopper_backward.flash_dq_gluon_kernel, {n: t for n in ("Q", "K", "V", "dO", "dQ")}
                      | {"L": "*fp32", "Delta": "*fp32"}, {"QDO_REGS": 0}, hopper_backward.DQ_CONFIG[128]),
     }
@@ -115,13 +120,15 @@ NESTED_STRIDES = {"input_strides": 4, "key_grad_strides": 2}
 
 
 def host_descriptor_types(dtype: str, block_m: int, block_n: int, head_dim: int) -> dict:
-    """Q, K, V, O as the host's 4D tensor descriptors (`gluon_common.host_row_tiles`) of one config's tiles."""
+    """The attention tensors as the host's 4D tensor descriptors (`gluon_common.host_row_tiles`) of one config's
+    tiles (those a kernel does not take are left out by `source`)."""
     from triton.experimental.gluon import language as gl
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     element = DTYPES[dtype].lstrip("*")
-    return {name: f"tensordesc<{element}[1,1,{rows},{head_dim}],{layout}>"
-            for name, rows in (("Q", block_m), ("K", block_n), ("V", block_n), ("O", block_m))}
+    rows = {"Q": block_m, "O": block_m, "dO": block_m, "dQ": block_m, "K": block_n, "V": block_n, "dK": block_n,
+            "dV": block_n}
+    return {name: f"tensordesc<{element}[1,1,{n},{head_dim}],{layout}>" for name, n in rows.items()}
 
 
 def source(fn, pointers: dict, constexprs: dict, gluon: bool = False) -> ASTSource:

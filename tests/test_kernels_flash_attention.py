@@ -1017,7 +1017,8 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
 @pytest.mark.parametrize("shape", GLUON_SHAPES)
 def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, heads_view):
     """The in-warpgroup forward on the host's 4D tensor descriptors (attention-tune kernel forward-gluon-late-host),
-    every tuned config, on contiguous inputs and on the model's strided head views of the same shape: O within
+    every tuned config, on contiguous inputs and on the model's strided head views of the same shape: O and L
+    bit-equal to the same kernel on its own per-program descriptors (only the addressing differs), O within
     PyTorch's own bf16 error of the fp64 reference and in q's layout, L to fp32 rounding; rows past the end neither
     read from the next head nor written."""
     import triton
@@ -1038,24 +1039,76 @@ def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, head
     low = naive_attention(q, k, v, causal, upcast=False)
     checked = 0
     for config in FORWARD_GLUON_SPACE:
+        own_out, own_lse = forward_buffers(q)
+        own = hopper_forward.forward_pass(q, k, v, own_out, own_lse, causal, d ** -0.5, warp_specialised=False)
         out, lse = forward_buffers(q)
         out.fill_(float("nan"))
         launch = hopper_forward.forward_pass(q, k, v, out, lse, causal, d ** -0.5, warp_specialised=False,
                                              host_descriptors=True)
         try:
+            own.with_config(*config)()
             launch.with_config(*config)()
         except triton.runtime.errors.OutOfResources:
             continue
         checked += 1
+        assert torch.equal(out, own_out) and torch.equal(lse, own_lse), config
         assert out.stride() == q.stride(), config
         assert_within_budget(f"out {config}", out, exact, low)
         assert (lse.double() - exact_lse).abs().max().item() <= 1e-3, config
     assert checked >= 6, checked
 
 
-def test_the_forward_on_host_descriptors_makes_none_per_program():
-    """The host-descriptor forward compiles for sm_90 (any machine) with 4D tensor copies and no descriptor made in
-    the kernel, where the default makes four per program (Q, K, V, O), and keeps the same loop schedule."""
+@requires_hopper
+@pytest.mark.parametrize("heads_view", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", GLUON_SHAPES)
+def test_gluon_backward_on_host_descriptors_matches_its_own(shape, causal, heads_view):
+    """The two Gluon backward passes on the host's 4D tensor descriptors (attention-tune kernels dkdv-gluon-host,
+    dq-gluon-host), every tuned config of each: dQ, dK and dV bit-equal to the same passes on their own per-program
+    descriptors (only the addressing differs), on contiguous inputs and the model's strided head views."""
+    import triton
+
+    from cs336_systems.bench.suites.attention_tune import GLUON_SPACE
+    from cs336_systems.kernels.flash_attention import hopper_backward
+    from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
+
+    batch, heads, n_queries, n_keys, d = shape
+    if heads_view:
+        if n_queries != n_keys:
+            pytest.skip("the head views share one length")
+        q, k, v, do = _head_views(4, batch, n_queries, heads or 1, d, seed=7)
+    else:
+        q, k, v = (t.detach() if t.dim() == 4 else t.detach().unsqueeze(1)
+                   for t in _inputs(*shape, torch.bfloat16, "cuda"))
+        do = torch.randn_like(q)
+    out, lse = flash_forward(q, k, v, causal)
+    preprocess, dkdv, dq, finish = backward_launches(q, k, v, out, lse, do, causal, gluon=True)
+    preprocess()  # D, read by both versions
+    host_dkdv, host_dq = hopper_backward.backward_passes(*dq.args[:7], dkdv.args[6], dkdv.args[7], causal,
+                                                         d ** -0.5, host_descriptors=True)
+    checked = 0
+    # Each pass's own outputs among finish()'s (dq, dk, dv): the buffers both versions write.
+    for own, host, space, written in ((dkdv, host_dkdv, GLUON_SPACE["dkdv-gluon-host"], (1, 2)),
+                                      (dq, host_dq, GLUON_SPACE["dq-gluon-host"], (0,))):
+        for config in space:
+            try:
+                own.with_config(*config)()
+                want = [finish()[i].clone() for i in written]
+                for i in written:
+                    finish()[i].fill_(float("nan"))
+                host.with_config(*config)()
+            except triton.runtime.errors.OutOfResources:
+                continue
+            checked += 1
+            for i, expected in zip(written, want):
+                assert torch.equal(finish()[i], expected), (("dq", "dk", "dv")[i], config)
+    assert checked >= 6, checked
+
+
+def test_the_passes_on_host_descriptors_make_none_per_program():
+    """The host-descriptor forward and backward passes compile for sm_90 (any machine) with 4D tensor copies and no
+    descriptor made in the kernel, where the defaults make one per tensor and program (forward 4, dK/dV 6, dQ 5),
+    and keep the same loop schedules."""
     import re
 
     done = _run_ptx_script("--kernel", "forward-gluon-late,forward-gluon-late-host", "--d", "64", "--config",
@@ -1069,6 +1122,13 @@ def test_the_forward_on_host_descriptors_makes_none_per_program():
     schedules = [line.split(";")[1] for line in lines]
     assert schedules[0] == schedules[2] and schedules[1] == schedules[3], lines
     assert all("0 B spilled" in line for line in lines), lines
+    done = _run_ptx_script("--kernel", "dkdv-gluon,dkdv-gluon-host,dq-gluon,dq-gluon-host", "--d", "64", "--config",
+                           "64x64x4x2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.strip().splitlines()
+    made = [int(re.search(r"descriptors made (\d+)", line).group(1)) for line in lines]
+    assert made == [6, 0, 5, 0], lines
+    assert lines[0].split(";")[1] == lines[1].split(";")[1] and lines[2].split(";")[1] == lines[3].split(";")[1]
 
 
 @requires_hopper

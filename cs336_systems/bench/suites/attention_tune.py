@@ -40,7 +40,8 @@ from cs336_systems.results import ResultStore, format_table
 
 KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "forward-gluon-late-host",
            "forward-gluon-ws", "dkdv", "dkdv-tma",
-           "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dq-gluon",
+           "dq", "dq-tma", "fused", "fused-atomic", "dkdv-gluon", "dkdv-gluon-k", "dkdv-gluon-kv", "dkdv-gluon-host",
+           "dq-gluon", "dq-gluon-host",
            "dq-gluon-q", "dq-gluon-qdo", "fused-gluon", "fused-gluon-s1", "fused-gluon-s2",
            "fused-gluon-atomic", "fused-gluon-ws")
 # Executed FLOPs of each kernel in units of the forward's (2 of the forward's products = 1.0); `fused` is
@@ -54,7 +55,8 @@ KERNELS = ("forward", "forward-tma", "forward-gluon", "forward-gluon-late", "for
 # warpgroups); `dkdv-tma` / `dq-tma`
 # the backward passes with their inner loops' tiles through descriptors; `dkdv-gluon` / `dq-gluon` the Hopper
 # passes with asynchronous products (kernels/flash_attention/hopper_backward.py; bf16/fp16 at head dim 64 or 128
-# only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T; `fused-gluon` the one-pass backward in
+# only), `-k` / `-kv` with K (and V) held in registers for S^T and dP^T, `-host` as shipped on the host's 4D tensor
+# descriptors; `fused-gluon` the one-pass backward in
 # Gluon (the dK/dV pass adding its dQ share into fp32 by TMA reduce-add; `-s1` / `-s2`: that share in 1 or 2
 # column blocks; `-atomic`: added from registers with pointer atomics instead; `-ws`: warp-specialised, FA3's
 # split, kernels/flash_attention/hopper_one_pass.py, head dim 64 or 128).
@@ -62,7 +64,8 @@ KERNEL_FLOP_FACTOR = {"forward": 1.0, "forward-tma": 1.0, "forward-gluon": 1.0, 
                       "forward-gluon-late-host": 1.0,
                       "forward-gluon-ws": 1.0,
                       "dkdv": 2.0, "dkdv-tma": 2.0, "dq": 1.5, "dq-tma": 1.5, "fused": 2.5, "fused-atomic": 2.5,
-                      "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dq-gluon": 1.5, "dq-gluon-q": 1.5,
+                      "dkdv-gluon": 2.0, "dkdv-gluon-k": 2.0, "dkdv-gluon-kv": 2.0, "dkdv-gluon-host": 2.0,
+                      "dq-gluon": 1.5, "dq-gluon-host": 1.5, "dq-gluon-q": 1.5,
                       "dq-gluon-qdo": 1.5, "fused-gluon": 2.5, "fused-gluon-s1": 2.5,
                       "fused-gluon-s2": 2.5, "fused-gluon-atomic": 2.5, "fused-gluon-ws": 2.5}
 WARPS, STAGES = (4, 8), (2, 3, 4, 5)
@@ -100,6 +103,8 @@ GLUON_SPACE = {
     "dq-gluon": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3),
                  (128, 128, 8, 2)],
     "dq-gluon-q": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
+    "dkdv-gluon-host": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 3)],
+    "dq-gluon-host": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
     "dq-gluon-qdo": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3)],
 }
 DEFAULT_SHAPES = "1x32x32768x128,4x32x16384x64"
@@ -155,7 +160,7 @@ def _inputs(shape, dtype_name: str, causal: bool, device, real_forward: bool = T
 
 def _launches(inputs, causal: bool) -> dict:
     """kernel name -> KernelLaunch, plus the backward's preprocess (a plain callable)."""
-    from cs336_systems.kernels.flash_attention import hopper_forward
+    from cs336_systems.kernels.flash_attention import hopper_backward, hopper_forward
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, forward_launch
     from cs336_systems.kernels.flash_attention.hopper_forward import flash_forward_gluon_kernel
     from cs336_systems.kernels.flash_attention.hopper_one_pass import flash_bwd_one_pass_ws_kernel
@@ -198,6 +203,10 @@ def _launches(inputs, causal: bool) -> dict:
                      "fused-gluon": gluon_fused, "fused-gluon-s1": variant(gluon_fused, DQ_SPLIT=1),
                      "fused-gluon-s2": variant(gluon_fused, DQ_SPLIT=2),
                      "fused-gluon-atomic": variant(gluon_fused, DQ_TMA=0)}
+        host_dkdv, host_dq = hopper_backward.backward_passes(
+            *dq_gluon.args[:7], dkdv_gluon.args[6], dkdv_gluon.args[7], causal, 1.0 / math.sqrt(q.shape[-1]),
+            host_descriptors=True)
+        launches |= {"dkdv-gluon-host": host_dkdv, "dq-gluon-host": host_dq}
         if getattr(ws_fused, "kernel", None) is flash_bwd_one_pass_ws_kernel:  # (head dim 64 or 128)
             launches["fused-gluon-ws"] = ws_fused
     return launches

@@ -106,14 +106,15 @@ def backward_input_tiles(Q, K, V, dO, b, h, input_strides, n_queries, n_keys,
 def key_tile_buffers(q_desc, do_desc, k_desc, v_desc, STAGES: gl.constexpr):
     """Shared memory of a program that owns one key tile: K and V once, and rings of STAGES slots for the query
     side's Q, dO (TMA) and L, D (cp.async) tiles. (k, v, q ring, dO ring, L ring, D ring)."""
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = tile_rows(q_desc.block_type.shape)  # (the kernels' 2D descriptors or the host's 4D)
+    BLOCK_N: gl.constexpr = tile_rows(k_desc.block_type.shape)
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[len(q_desc.block_type.shape) - 1]
     dtype: gl.constexpr = q_desc.dtype
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+    layout: gl.constexpr = tile_layout(dtype.primitive_bitwidth)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], layout)
     stats_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
@@ -182,16 +183,17 @@ def score_products(a, b_tile, c, d_tile, layout: gl.constexpr):
 
 
 @gluon.jit
-def store_key_gradients(dk, dv, sm_scale, k_buffer, v_buffer, dk_desc, dv_desc, row0):
+def store_key_gradients(dk, dv, sm_scale, k_buffer, v_buffer, dk_desc, dv_desc, row0, b=0, h=0,
+                        HOST: gl.constexpr = False):
     """dK (scaled here) and dV out through K's and V's shared buffers, which the caller has finished reading
-    (TMA clips rows past the end)."""
+    (TMA clips rows past the end); HOST: through the host's 4D descriptors (`copy_rows_out`)."""
     dtype: gl.constexpr = k_buffer.dtype
     k_buffer.store((dk * sm_scale).to(dtype))
     v_buffer.store(dv.to(dtype))
     gl.thread_barrier()
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [row0, 0], k_buffer)
-    tma.async_copy_shared_to_global(dv_desc, [row0, 0], v_buffer)
+    copy_rows_out(dk_desc, b, h, row0, k_buffer, HOST)
+    copy_rows_out(dv_desc, b, h, row0, v_buffer, HOST)
     tma.store_wait(pendings=0)
 
 

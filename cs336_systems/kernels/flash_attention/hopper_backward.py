@@ -27,6 +27,7 @@ makes P = 0) and n_queries != n_keys. `eligible` says which inputs qualify; the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -110,13 +111,14 @@ def eligible(q: torch.Tensor) -> bool:
 
 
 @gluon.jit
-def _fill(bars, a_smem, b_smem, a_desc, b_desc, tile, slot, end_tile, BLOCK: gl.constexpr):
-    """Start copying row tile `tile` of two matrices into ring slot `slot` (nothing past end_tile)."""
+def _fill(bars, a_smem, b_smem, a_desc, b_desc, b, h, tile, slot, end_tile, BLOCK: gl.constexpr, HOST: gl.constexpr):
+    """Start copying row tile `tile` of two matrices of batch b, head h into ring slot `slot` (nothing past
+    end_tile); HOST: through the host's 4D descriptors (`gluon_common.copy_rows_in`)."""
     pred = tile < end_tile
     bar = bars.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [tile * BLOCK, 0], bar, a_smem.index(slot), pred=pred)
-    tma.async_copy_global_to_shared(b_desc, [tile * BLOCK, 0], bar, b_smem.index(slot), pred=pred)
+    gluon_common.copy_rows_in(a_desc, b, h, tile * BLOCK, bar, a_smem.index(slot), pred, HOST)
+    gluon_common.copy_rows_in(b_desc, b, h, tile * BLOCK, bar, b_smem.index(slot), pred, HOST)
 
 
 @gluon.jit
@@ -148,12 +150,12 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
                       qk_scale, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                       STAGES: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr,
                       k_tile, ds_smem, dq_target, sm_scale, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                      DQ_BUFFERS: gl.constexpr):
+                      DQ_BUFFERS: gl.constexpr, b, h, HOST: gl.constexpr):
     """Add query tiles [start_tile, end_tile) to one key tile's dK and dV; with DQ_SPLIT > 0 also add
     each query tile's share of dQ, dS K, into fp32 rows (dq_target: see `_dk_and_dq_share`; the one-pass
     backward)."""
     dtype: gl.constexpr = q_desc.dtype
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
     for tile in range(start_tile, end_tile):
         step, slot, q_tile, do_tile = gluon_common.ring_step(bars, q_smem, do_smem, tile, first_tile, STAGES)
         sT, dpT = gluon_common.score_products(k_smem, q_tile, v_smem, do_tile, s_layout)
@@ -167,7 +169,7 @@ def _dkdv_query_tiles(dk, dv, k_smem, v_smem, q_smem, do_smem, bars, q_desc, do_
         gl.thread_barrier()
         lse2 = lse_smem.index(slot).load(gl.SliceLayout(0, s_layout)) * gluon_common.LOG2E
         ahead_slot = (step + STAGES - 1) % STAGES
-        _fill(bars, q_smem, do_smem, q_desc, do_desc, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M)
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, b, h, tile + STAGES - 1, ahead_slot, last_tile, BLOCK_M, HOST)
         _fill_stats(lse_smem, delta_smem, lse_row, delta_row, tile + STAGES - 1, ahead_slot, n_queries, BLOCK_M)
         pT = gluon_common.probabilities_t(sT, lse2, offs_n, tile, qk_scale, MASKED, IS_CAUSAL, BLOCK_M, s_layout)
         dv = warpgroup_mma(gl.convert_layout(pT.to(dtype), op_layout), do_tile, dv, is_async=True)
@@ -243,17 +245,26 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
                             n_heads, n_queries, n_keys, qk_scale, sm_scale, dq_rows,
                             IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_REGS: gl.constexpr = 0,
-                            DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1, DQ_BUFFERS: gl.constexpr = 2):
+                            DQ_SPLIT: gl.constexpr = 0, DQ_TMA: gl.constexpr = 1, DQ_BUFFERS: gl.constexpr = 2,
+                            HOST_DESCRIPTORS: gl.constexpr = False):
     """One program per (key tile, batch x head): dK and dV of BLOCK_N keys. DQ_SPLIT > 0 makes it the
     one-pass backward: it also adds sm_scale * dS K into DQ_ACCUM, fp32 (batch x heads, dq_rows, HEAD_DIM),
-    zeroed by the caller, dq_rows >= n_queries in whole tiles (`_dk_and_dq_share`)."""
+    zeroed by the caller, dq_rows >= n_queries in whole tiles (`_dk_and_dq_share`). HOST_DESCRIPTORS (two passes
+    only): Q, K, V, dO, dK and dV are the host's 4D descriptors (`gluon_common.host_row_tiles`; strides unused)."""
+    gl.static_assert(not (HOST_DESCRIPTORS and DQ_SPLIT > 0), "host descriptors: the two-pass dK/dV only")
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_M)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
-    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    if HOST_DESCRIPTORS:
+        q_desc = Q
+        do_desc = dO
+        k_desc = K
+        v_desc = V
+    else:
+        q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
+            Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
                                                                                           v_desc, STAGES)
@@ -282,12 +293,13 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
     first_tile = n0 // BLOCK_M if IS_CAUSAL else 0
     last_tile = gl.cdiv(n_queries, BLOCK_M)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    gluon_common.copy_rows_in(k_desc, b, h, n0, kv_bar, k_smem, True, HOST_DESCRIPTORS)
+    gluon_common.copy_rows_in(v_desc, b, h, n0, kv_bar, v_smem, True, HOST_DESCRIPTORS)
     lse_row = L + batch_head.to(gl.int64) * n_queries
     delta_row = Delta + batch_head.to(gl.int64) * n_queries
     for ahead in gl.static_range(STAGES - 1):
-        _fill(bars, q_smem, do_smem, q_desc, do_desc, first_tile + ahead, ahead, last_tile, BLOCK_M)
+        _fill(bars, q_smem, do_smem, q_desc, do_desc, b, h, first_tile + ahead, ahead, last_tile, BLOCK_M,
+              HOST_DESCRIPTORS)
         _fill_stats(lse_smem, delta_smem, lse_row, delta_row, first_tile + ahead, ahead, n_queries, BLOCK_M)
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
@@ -311,19 +323,21 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
         dk, dv = _dkdv_query_tiles(
             dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
             offs_n, first_tile, diagonal_end, first_tile, last_tile, n_queries, qk_scale, True, IS_CAUSAL,
-            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
+            BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS,
+            b, h, HOST_DESCRIPTORS)
         unmasked_start = diagonal_end
     else:
         unmasked_start = 0
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, unmasked_start, full_tiles_end, first_tile, last_tile, n_queries, qk_scale, False, IS_CAUSAL,
-        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
+        BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale, DQ_SPLIT, DQ_TMA, DQ_BUFFERS, b, h,
+        HOST_DESCRIPTORS)
     dk, dv = _dkdv_query_tiles(
         dk, dv, k_op, v_op, q_smem, do_smem, bars, q_desc, do_desc, lse_smem, delta_smem, lse_row, delta_row,
         offs_n, gl.maximum(unmasked_start, full_tiles_end), last_tile, first_tile, last_tile, n_queries,
         qk_scale, True, IS_CAUSAL, BLOCK_M, STAGES, s_layout, op_layout, k_smem, ds_smem, dq_target, sm_scale,
-        DQ_SPLIT, DQ_TMA, DQ_BUFFERS)
+        DQ_SPLIT, DQ_TMA, DQ_BUFFERS, b, h, HOST_DESCRIPTORS)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     async_copy.wait_group(0)  # the copies issued for tiles past the end (all masked off)
 
@@ -332,16 +346,20 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, BLOCK_N, HEAD_DIM)
-    dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, BLOCK_N, HEAD_DIM)
-    gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0)
+    if HOST_DESCRIPTORS:
+        dk_desc = dK
+        dv_desc = dV
+    else:
+        dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, BLOCK_N, HEAD_DIM)
+        dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, BLOCK_N, HEAD_DIM)
+    gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0, b, h, HOST_DESCRIPTORS)
 
 
 @gluon.jit
 def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
                   start_tile, end_tile, first_tile, last_tile, n_keys, qk_scale, MASKED: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, op_layout: gl.constexpr):
+                  s_layout: gl.constexpr, op_layout: gl.constexpr, b, h, HOST: gl.constexpr):
     """Add key tiles [start_tile, end_tile) to one query tile's dQ. q_op / do_op: Q and dO in shared memory
     or in registers (`flash_dq_gluon_kernel`'s QDO_REGS)."""
     dtype: gl.constexpr = k_desc.dtype
@@ -350,8 +368,8 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
         s, dp = gluon_common.score_products(q_op, k_tile, do_op, v_tile, s_layout)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         gl.thread_barrier()  # the previous step's dQ product has retired in every warp: refill its slot
-        _fill(bars, k_smem, v_smem, k_desc, v_desc, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
-              BLOCK_N)
+        _fill(bars, k_smem, v_smem, k_desc, v_desc, b, h, tile + STAGES - 1, (step + STAGES - 1) % STAGES, last_tile,
+              BLOCK_N, HOST)
         p = gl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:
             offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -371,24 +389,33 @@ def _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, d
 def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
                           n_heads, n_queries, n_keys, qk_scale, sm_scale,
                           IS_CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QDO_REGS: gl.constexpr = 0):
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QDO_REGS: gl.constexpr = 0,
+                          HOST_DESCRIPTORS: gl.constexpr = False):
     """One program per (query tile, batch x head): dQ of BLOCK_M queries. QDO_REGS: 0 reads Q and dO from
     shared memory in S = Q K^T and dP = dO V^T, 1 holds Q in registers, 2 both (the products then read only
-    K^T / V^T from shared memory: half the bytes per FLOP; DQ_QDO_REGS)."""
+    K^T / V^T from shared memory: half the bytes per FLOP; DQ_QDO_REGS). HOST_DESCRIPTORS: Q, K, V, dO and dQ are
+    the host's 4D descriptors (`gluon_common.host_row_tiles`; strides unused)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, BLOCK_N)
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
-    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    if HOST_DESCRIPTORS:
+        q_desc = Q
+        do_desc = dO
+        k_desc = K
+        v_desc = V
+    else:
+        q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
+            Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
     dtype: gl.constexpr = q_desc.dtype
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    layout: gl.constexpr = gluon_common.tile_layout(dtype.primitive_bitwidth)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
@@ -398,10 +425,10 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
     n_key_tiles = gl.cdiv(n_keys, BLOCK_N)
     last_tile = gl.minimum(gl.cdiv(m0 + BLOCK_M, BLOCK_N), n_key_tiles) if IS_CAUSAL else n_key_tiles
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [m0, 0], q_bar, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [m0, 0], q_bar, do_smem)
+    gluon_common.copy_rows_in(q_desc, b, h, m0, q_bar, q_smem, True, HOST_DESCRIPTORS)
+    gluon_common.copy_rows_in(do_desc, b, h, m0, q_bar, do_smem, True, HOST_DESCRIPTORS)
     for ahead in gl.static_range(STAGES - 1):
-        _fill(bars, k_smem, v_smem, k_desc, v_desc, ahead, ahead, last_tile, BLOCK_N)
+        _fill(bars, k_smem, v_smem, k_desc, v_desc, b, h, ahead, ahead, last_tile, BLOCK_N, HOST_DESCRIPTORS)
 
     lse2, delta = _row_stats(L + batch_head.to(gl.int64) * n_queries, Delta + batch_head.to(gl.int64) * n_queries,
                              query_tile, n_queries, BLOCK_M, gl.SliceLayout(1, s_layout))
@@ -426,28 +453,34 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
         unmasked_end = full_tiles_end
     dq = _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m, 0,
                        unmasked_end, 0, last_tile, n_keys, qk_scale, False, IS_CAUSAL, BLOCK_M, BLOCK_N, STAGES,
-                       s_layout, op_layout)
+                       s_layout, op_layout, b, h, HOST_DESCRIPTORS)
     dq = _dq_key_tiles(dq, q_op, do_op, k_smem, v_smem, bars, k_desc, v_desc, lse2, delta, offs_m,
                        unmasked_end, last_tile, 0, last_tile, n_keys, qk_scale, True, IS_CAUSAL, BLOCK_M, BLOCK_N,
-                       STAGES, s_layout, op_layout)
+                       STAGES, s_layout, op_layout, b, h, HOST_DESCRIPTORS)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
 
     mbarrier.invalidate(q_bar)
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(slot))
     gl.thread_barrier()
-    dq_desc = gluon_common.head_row_tiles(dQ, b, h, dq_strides, n_queries, BLOCK_M, HEAD_DIM)
+    if HOST_DESCRIPTORS:
+        dq_desc = dQ
+    else:
+        dq_desc = gluon_common.head_row_tiles(dQ, b, h, dq_strides, n_queries, BLOCK_M, HEAD_DIM)
     q_smem.store((dq * sm_scale).to(dtype))
     gl.thread_barrier()
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [m0, 0], q_smem)
+    gluon_common.copy_rows_out(dq_desc, b, h, m0, q_smem, HOST_DESCRIPTORS)
     tma.store_wait(pendings=0)
 
 
-def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float):
+def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool, sm_scale: float,
+                    host_descriptors: bool = False):
     """(dK/dV pass, dQ pass) over (batch, heads, seq, d) tensors that are `eligible`; D must be written
     (backward.py's preprocess) before they run. (A warp-specialised dQ pass, split as hopper_forward's
-    flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)"""
+    flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)
+    host_descriptors: both passes on the host's 4D tensor descriptors, made per launch (`HOST_DESCRIPTORS`;
+    attention-tune kernels `dkdv-gluon-host`, `dq-gluon-host`)."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     input_strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)
@@ -460,7 +493,21 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, input_strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads))
-    return dkdv, dq
+    if not host_descriptors:
+        return dkdv, dq
+    tiles = gluon_common.host_row_tiles
+
+    def dkdv_args(block_m: int, block_n: int) -> tuple:  # the descriptors' tiles are the config's
+        return (tiles(q4, block_m), tiles(k4, block_n), tiles(v4, block_n), tiles(do4, block_m), lse, delta,
+                tiles(dk4, block_n), tiles(dv4, block_n), *dkdv.args[8:])
+
+    def dq_args(block_m: int, block_n: int) -> tuple:
+        return (tiles(q4, block_m), tiles(k4, block_n), tiles(v4, block_n), tiles(do4, block_m), lse, delta,
+                tiles(dq4, block_m), *dq.args[7:])
+
+    host = dict(HOST_DESCRIPTORS=True)
+    return (dataclasses.replace(dkdv, flags=dkdv.flags | host, args_for=dkdv_args),
+            dataclasses.replace(dq, flags=dq.flags | host, args_for=dq_args))
 
 
 def one_pass_eligible(q: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels._triton_utils import cdiv
 from cs336_systems.kernels.flash_attention.forward import LOG2E
@@ -237,8 +238,6 @@ def host_row_tiles(t4: torch.Tensor, rows: int):
     """A host TMA descriptor over a (batch, heads, rows, d) tensor in (1, 1, rows, d) tiles, any strides the copy
     engine takes (`tma_eligible`): the model's head views included. Made once per launch, where `head_row_tiles`
     makes one per program (each a descriptor written to global memory and fenced)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=t4.element_size() * 8, rank=4)
     return TensorDescriptor(t4, list(t4.shape), list(t4.stride()), [1, 1, rows, t4.shape[3]], layout)
 

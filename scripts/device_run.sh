@@ -361,11 +361,11 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
       ;;
     session63)
-      # The passes on the host's tensor descriptors (~5 min, H100 or H200): their GPU tests (every tuned tile,
+      # The passes on the host's tensor descriptors (~6 min, H100 or H200): their GPU tests (every tuned tile,
       # contiguous and head views, ragged lengths; bit-equal to the shipped kernels), then their tiles beside the
       # shipped ones (the d 64 dK/dV pass holds K and V in registers: `-kv`) at the d 64 shapes where ours trails
       # cuDNN (short rows, many heads: each program's descriptors are a fixed cost), each shape printed when done.
-      gpu_tests session63 130 tests/test_kernels_flash_attention.py -k "host_descriptors or gluon_forward_matches"
+      gpu_tests session63 170 tests/test_kernels_flash_attention.py -k "host_descriptors or gluon_forward_matches"
       timeout 160 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
         --shape 4x20x2048x64,4x32x4096x64,4x12x512x64,4x32x16384x64 \
         --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \

@@ -1011,6 +1011,18 @@ def test_gluon_forward_configs_match_reference_on_the_models_head_views(d):
     assert checked >= 24, checked  # most of the space fits
 
 
+def _gluon_case_inputs(shape, heads_view: bool, count: int, seed: int):
+    """q, k, v (and dO where count is 4), bf16 (batch, heads, seq, d) on the GPU, for a GLUON_SHAPES case: contiguous
+    (no heads: one), or the model's strided head views of the same shape (skipped where the lengths differ)."""
+    batch, heads, n_queries, n_keys, d = shape
+    if heads_view:
+        if n_queries != n_keys:
+            pytest.skip("the head views share one length")
+        return _head_views(count, batch, n_queries, heads or 1, d, seed=seed)
+    q, k, v = (t.detach() if t.dim() == 4 else t.detach().unsqueeze(1) for t in _inputs(*shape, torch.bfloat16, "cuda"))
+    return [q, k, v, torch.randn_like(q)][:count]
+
+
 @requires_hopper
 @pytest.mark.parametrize("heads_view", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
@@ -1028,14 +1040,8 @@ def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, head
     from cs336_systems.kernels.flash_attention.buffers import forward_buffers
     from cs336_systems.kernels.flash_attention.launches import install_descriptor_allocator
 
-    batch, heads, n_queries, n_keys, d = shape
-    if heads_view:
-        if n_queries != n_keys:
-            pytest.skip("the head views share one length")
-        q, k, v = _head_views(3, batch, n_queries, heads or 1, d, seed=6)
-    else:  # (no heads: (batch, seq, d), one head)
-        q, k, v = (t.detach() if t.dim() == 4 else t.detach().unsqueeze(1)
-                   for t in _inputs(*shape, torch.bfloat16, "cuda"))
+    d = shape[-1]
+    q, k, v = _gluon_case_inputs(shape, heads_view, 3, seed=6)
     exact, exact_lse = naive_attention(q.double(), k.double(), v.double(), causal, return_lse=True)
     low = naive_attention(q, k, v, causal, upcast=False)
     install_descriptor_allocator(q.device)  # the shipped kernel's descriptors are made in its programs' scratch
@@ -1074,15 +1080,8 @@ def test_gluon_backward_on_host_descriptors_matches_its_own(shape, causal, heads
     from cs336_systems.kernels.flash_attention import hopper_backward
     from cs336_systems.kernels.flash_attention.dispatch import backward_launches, flash_forward
 
-    batch, heads, n_queries, n_keys, d = shape
-    if heads_view:
-        if n_queries != n_keys:
-            pytest.skip("the head views share one length")
-        q, k, v, do = _head_views(4, batch, n_queries, heads or 1, d, seed=7)
-    else:
-        q, k, v = (t.detach() if t.dim() == 4 else t.detach().unsqueeze(1)
-                   for t in _inputs(*shape, torch.bfloat16, "cuda"))
-        do = torch.randn_like(q)
+    d = shape[-1]
+    q, k, v, do = _gluon_case_inputs(shape, heads_view, 4, seed=7)
     out, lse = flash_forward(q, k, v, causal)
     preprocess, dkdv, dq, finish = backward_launches(q, k, v, out, lse, do, causal, gluon=True)
     preprocess()  # D, read by both versions

@@ -85,21 +85,29 @@ def copy_rows_out(desc, b, h, row, smem, HOST: gl.constexpr):
 
 
 @gluon.jit
-def head_row_tiles(ptr, b, h, strides, n_rows, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+def head_row_tiles(ptr, b, h, strides, n_rows, BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   HOST: gl.constexpr = False):
     """`row_tiles` of batch b, head h's matrix; `strides`: the tensor's (batch, head, row) strides, one tuple
-    argument (`row_strides`)."""
-    return row_tiles(ptr + b * strides[0] + h * strides[1], n_rows, strides[2], BLOCK_ROWS, HEAD_DIM)
+    argument (`row_strides`). HOST: `ptr` is already the host's 4D descriptor (`host_row_tiles`), taken as it is
+    (`copy_rows_in` addresses its tiles by batch and head)."""
+    if HOST:
+        tiles = ptr
+    else:
+        tiles = row_tiles(ptr + b * strides[0] + h * strides[1], n_rows, strides[2], BLOCK_ROWS, HEAD_DIM)
+    return tiles
 
 
 @gluon.jit
 def backward_input_tiles(Q, K, V, dO, b, h, input_strides, n_queries, n_keys,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         HOST: gl.constexpr = False):
     """The backward's input descriptors of batch b, head h: (Q, dO) in BLOCK_M-row tiles, (K, V) in BLOCK_N.
-    `input_strides`: the row strides of Q, K, V and dO, one tuple argument (`input_args`)."""
-    q_desc = head_row_tiles(Q, b, h, input_strides[0], n_queries, BLOCK_M, HEAD_DIM)
-    do_desc = head_row_tiles(dO, b, h, input_strides[3], n_queries, BLOCK_M, HEAD_DIM)
-    k_desc = head_row_tiles(K, b, h, input_strides[1], n_keys, BLOCK_N, HEAD_DIM)
-    v_desc = head_row_tiles(V, b, h, input_strides[2], n_keys, BLOCK_N, HEAD_DIM)
+    `input_strides`: the row strides of Q, K, V and dO, one tuple argument (`input_args`). HOST: the four are the
+    host's descriptors already (`head_row_tiles`)."""
+    q_desc = head_row_tiles(Q, b, h, input_strides[0], n_queries, BLOCK_M, HEAD_DIM, HOST)
+    do_desc = head_row_tiles(dO, b, h, input_strides[3], n_queries, BLOCK_M, HEAD_DIM, HOST)
+    k_desc = head_row_tiles(K, b, h, input_strides[1], n_keys, BLOCK_N, HEAD_DIM, HOST)
+    v_desc = head_row_tiles(V, b, h, input_strides[2], n_keys, BLOCK_N, HEAD_DIM, HOST)
     return q_desc, do_desc, k_desc, v_desc
 
 

@@ -257,14 +257,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
     acc_layout: gl.constexpr = gluon_common.wgmma_layout(NUM_WARPS, HEAD_DIM)
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     n0, batch_head, b, h = gluon_common.key_tile_of_program(n_heads, BLOCK_N)
-    if HOST_DESCRIPTORS:
-        q_desc = Q
-        do_desc = dO
-        k_desc = K
-        v_desc = V
-    else:
-        q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-            Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
+        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
     dtype: gl.constexpr = q_desc.dtype
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = gluon_common.key_tile_buffers(q_desc, do_desc, k_desc,
                                                                                           v_desc, STAGES)
@@ -346,12 +340,8 @@ def flash_dkdv_gluon_kernel(Q, K, V, dO, L, Delta, dK, dV, DQ_ACCUM, input_strid
         mbarrier.invalidate(bars.index(slot))
     # K and V's buffers take dK and dV on their way out (TMA clips rows past n_keys).
     gl.thread_barrier()
-    if HOST_DESCRIPTORS:
-        dk_desc = dK
-        dv_desc = dV
-    else:
-        dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, BLOCK_N, HEAD_DIM)
-        dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, BLOCK_N, HEAD_DIM)
+    dk_desc = gluon_common.head_row_tiles(dK, b, h, key_grad_strides[0], n_keys, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
+    dv_desc = gluon_common.head_row_tiles(dV, b, h, key_grad_strides[1], n_keys, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
     gluon_common.store_key_gradients(dk, dv, sm_scale, k_smem, v_smem, dk_desc, dv_desc, n0, b, h, HOST_DESCRIPTORS)
 
 
@@ -401,14 +391,8 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
     query_tile = m0 // BLOCK_M
-    if HOST_DESCRIPTORS:
-        q_desc = Q
-        do_desc = dO
-        k_desc = K
-        v_desc = V
-    else:
-        q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
-            Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM)
+    q_desc, do_desc, k_desc, v_desc = gluon_common.backward_input_tiles(
+        Q, K, V, dO, b, h, input_strides, n_queries, n_keys, BLOCK_M, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
     dtype: gl.constexpr = q_desc.dtype
 
     layout: gl.constexpr = gluon_common.tile_layout(dtype.primitive_bitwidth)
@@ -463,10 +447,7 @@ def flash_dq_gluon_kernel(Q, K, V, dO, L, Delta, dQ, input_strides, dq_strides,
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(slot))
     gl.thread_barrier()
-    if HOST_DESCRIPTORS:
-        dq_desc = dQ
-    else:
-        dq_desc = gluon_common.head_row_tiles(dQ, b, h, dq_strides, n_queries, BLOCK_M, HEAD_DIM)
+    dq_desc = gluon_common.head_row_tiles(dQ, b, h, dq_strides, n_queries, BLOCK_M, HEAD_DIM, HOST_DESCRIPTORS)
     q_smem.store((dq * sm_scale).to(dtype))
     gl.thread_barrier()
     fence_async_shared()

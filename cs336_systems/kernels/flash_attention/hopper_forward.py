@@ -199,14 +199,9 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     op_layout: gl.constexpr = gluon_common.operand_layout(acc_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m0, batch_head, b, h = gluon_common.query_tile_of_program(n_queries, n_heads, BLOCK_M, IS_CAUSAL)
-    if HOST_DESCRIPTORS:
-        q_desc = Q
-        k_desc = K
-        v_desc = V
-    else:
-        q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM)
-        k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM)
-        v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM)
+    q_desc = gluon_common.head_row_tiles(Q, b, h, q_strides, n_queries, BLOCK_M, HEAD_DIM, HOST_DESCRIPTORS)
+    k_desc = gluon_common.head_row_tiles(K, b, h, k_strides, n_keys, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
+    v_desc = gluon_common.head_row_tiles(V, b, h, v_strides, n_keys, BLOCK_N, HEAD_DIM, HOST_DESCRIPTORS)
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], gluon_common.tile_layout(dtype.primitive_bitwidth))
@@ -260,10 +255,7 @@ def flash_forward_gluon_kernel(Q, K, V, O, L,
     # Q's buffer takes O on its way out (TMA clips rows past n_queries).
     l_acc = gl.convert_layout(l_i, gl.SliceLayout(1, acc_layout))
     gl.thread_barrier()
-    if HOST_DESCRIPTORS:
-        o_desc = O
-    else:
-        o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, BLOCK_M, HEAD_DIM)
+    o_desc = gluon_common.head_row_tiles(O, b, h, o_strides, n_queries, BLOCK_M, HEAD_DIM, HOST_DESCRIPTORS)
     q_smem.store((acc / l_acc[:, None]).to(dtype))
     gl.thread_barrier()
     fence_async_shared()

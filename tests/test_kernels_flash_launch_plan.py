@@ -49,6 +49,31 @@ def test_capture_names_tensor_arguments_and_replays_with_new_addresses():
     assert compiled.calls == [((3, 2, 1), (111, 222, 8, 0.5)), ((3, 2, 1), (333, 444, 8, 0.5))]
 
 
+def _host_descriptor(t4: torch.Tensor, rows: int):
+    from cs336_systems.kernels.flash_attention import gluon_common
+
+    return gluon_common.host_row_tiles(t4, rows)
+
+
+def test_capture_moves_a_host_descriptor_to_its_tensors_new_address():
+    """A host tensor descriptor over a slot's tensor keeps its shape, strides and tiles and is rebuilt over the
+    tensor's address per call (Triton's launcher encodes it from `base.data_ptr()`); the plan holds no tensor."""
+    q = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # a head view: (2, 3, 5, 64)
+    lse = torch.zeros(2, 3, 5)
+    compiled = _FakeCompiled()
+    captured = launch_plan.capture(compiled, (1, 6), [_host_descriptor(q, 64), lse, 5], dict(q=q, lse=lse))
+    assert captured.slots == ((1, "lse"),) and captured.descriptor_slots == ((0, "q"),)
+    assert not any(isinstance(getattr(value, "base", value), torch.Tensor) for value in captured.values)
+    captured(dict(q=4096, lse=8192))
+    (grid, (descriptor, lse_address, n)), = compiled.calls
+    assert grid == (1, 6, 1) and (lse_address, n) == (8192, 5)
+    assert descriptor.base.data_ptr() == 4096 and descriptor.base.dtype == torch.bfloat16
+    assert list(descriptor.shape) == [2, 3, 5, 64] and list(descriptor.strides) == list(q.stride())
+    assert list(descriptor.block_shape) == [1, 1, 64, 64]
+    unknown = torch.zeros_like(q)  # over no slot's tensor: no plan
+    assert launch_plan.capture(_FakeCompiled(), (1,), [_host_descriptor(unknown, 64)], dict(q=q)) is None
+
+
 def test_capture_refuses_aliased_or_unknown_tensors():
     x, y = torch.zeros(8), torch.zeros(8)
     assert launch_plan.capture(_FakeCompiled(), (1,), [x, 1], dict(q=x, k=x)) is None  # one address, two roles
@@ -259,8 +284,8 @@ def _fake_capture():
 def test_kernel_spec_follows_the_compiled_signature():
     from cs336_systems.kernels.flash_attention import native_launch
 
-    function, config, kinds, integers, reals = native_launch.kernel_spec(_fake_capture())
-    assert function == 0xABC and config == [5, 6, 1, 8, 1, 99328, 0, 0, 128]
+    function, config, kinds, integers, reals, maps = native_launch.kernel_spec(_fake_capture())
+    assert function == 0xABC and config == [5, 6, 1, 8, 1, 99328, 0, 0, 128] and maps == []
     names = [native_launch.ARG_KINDS[k] for k in kinds]
     assert names == ["tensor", "tensor", "null", "i32", "i64", "fp32", "u8"]  # the constexpr is not a parameter
     assert integers[:2] == [native_launch.SLOTS.index("q"), native_launch.SLOTS.index("lse")]
@@ -276,7 +301,7 @@ def test_kernel_spec_flattens_stride_tuples_as_tritons_launcher_does():
     signature = dict(_FakeKernel.src.signature, n=("i32", "i32", "constexpr"), big=(("i64", "constexpr"), "i32"))
     captured.compiled = type("Strided", (_FakeKernel,), {"src": type("src", (), {"signature": signature})})()
     captured.values[3], captured.values[4] = (4096, 64, 1), ((2**40, 1), 7)
-    _, _, kinds, integers, _ = native_launch.kernel_spec(captured)
+    _, _, kinds, integers, _, _ = native_launch.kernel_spec(captured)
     names = [native_launch.ARG_KINDS[k] for k in kinds]
     assert names == ["tensor", "tensor", "null", "i32", "i32", "i64", "i32", "fp32", "u8"]
     assert integers[3:7] == [4096, 64, 2**40, 7]
@@ -292,6 +317,75 @@ def test_kernel_spec_refuses_scalars_it_cannot_pack():
     half_scale = dict(_FakeKernel.src.signature, scale="fp16")  # a half-precision scalar: not packed
     captured.compiled = type("Half", (_FakeKernel,), {"src": type("src", (), {"signature": half_scale})})()
     assert native_launch.kernel_spec(captured) is None
+
+
+class _FakeDescriptorMetadata(_FakeMetadata):
+    global_scratch_size = 0
+    tensordesc_meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 1, 64, 64],
+                        "fp4_padded": False}]
+
+
+class _FakeDescriptorKernel(_FakeKernel):
+    """A Gluon kernel taking Q as a host descriptor, as Triton 3.6 compiles it (a `tensordesc<...>` parameter and
+    its `tensordesc_meta`: swizzle, element size and device type, tile)."""
+
+    metadata = _FakeDescriptorMetadata()
+
+    class src:  # noqa: N801
+        signature = {"Q": "tensordesc<bf16[1,1,64,64],NVMMASharedLayout(swizzle_byte_width=128)>", "L": "*fp32",
+                     "q_strides": ("i32", "i32", "i32"), "n": "i32", "HEAD_DIM": "constexpr"}
+
+
+def _descriptor_capture():
+    q = torch.zeros(2, 5, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # a head view: (2, 3, 5, 64)
+    lse = torch.zeros(2, 3, 5)
+    values = [_host_descriptor(q, 64), lse, (960, 64, 192), 5, 64]
+    return launch_plan.capture(_FakeDescriptorKernel(), (1, 6), values, dict(q=q, lse=lse)), q
+
+
+def test_kernel_spec_takes_a_host_descriptor_as_tritons_launcher_expands_it():
+    """A descriptor parameter is launched as its CUtensorMap, then its shape (i32) and strides (i64); the map is
+    encoded as fill_tma_descriptor encodes it: dimensions innermost first, strides in bytes without the last,
+    the host's data type for bf16 (device 10 -> host 9), the kernel's swizzle and tile."""
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    captured, q = _descriptor_capture()
+    _, config, kinds, integers, _, maps = native_launch.kernel_spec(captured)
+    names = [native_launch.ARG_KINDS[k] for k in kinds]
+    assert names == ["tensormap", *["i32"] * 4, *["i64"] * 4, "tensor", "i32", "i32", "i32", "i32"]
+    assert integers[0] == 0 and integers[1:9] == [2, 3, 5, 64, *q.stride()]
+    assert integers[9] == native_launch.SLOTS.index("lse") and integers[10:] == [960, 64, 192, 5]
+    batch_stride, head_stride, row_stride, _ = q.stride()
+    assert maps == [[native_launch.SLOTS.index("q"), 9, 3, 0, 4, 64, 5, 3, 2,
+                     2 * row_stride, 2 * head_stride, 2 * batch_stride, 64, 64, 1, 1]]
+    no_meta = type("NoMeta", (_FakeDescriptorMetadata,), {"tensordesc_meta": None})
+    captured.compiled = type("Lowered", (_FakeDescriptorKernel,), {"metadata": no_meta()})()
+    assert native_launch.kernel_spec(captured) is None  # lowered to a pointer, shape and strides: not packed
+
+
+def test_native_packs_a_descriptors_tensor_address_and_checks_its_map():
+    """In the packed parameters (what a dry run records) a descriptor's entry is its tensor's address (the launch
+    encodes the CUtensorMap over it); a map of the wrong length or slot is refused when the plan is made."""
+    import struct
+
+    from cs336_systems.kernels.flash_attention import native_launch
+
+    module = native_launch.load_module()
+    if module is None:
+        pytest.skip("the native extension did not build here")
+    captured, _ = _descriptor_capture()
+    spec = native_launch.kernel_spec(captured)
+    addresses = [0x1000 * (i + 1) for i in range(len(native_launch.SLOTS))]
+    packed = module.packed_parameters(spec, addresses, 0)
+    words = struct.unpack(f"<{len(packed) // 8}Q", packed)
+    assert words[0] == addresses[native_launch.SLOTS.index("q")]
+    assert words[9] == addresses[native_launch.SLOTS.index("lse")]
+    short = (*spec[:5], [spec[5][0][:-1]])
+    with pytest.raises(RuntimeError, match="tensor map of rank 4"):
+        module.packed_parameters(short, addresses, 0)
+    bad_slot = (*spec[:5], [[99, *spec[5][0][1:]]])
+    with pytest.raises(RuntimeError, match="tensor slot 99"):
+        module.packed_parameters(bad_slot, addresses, 0)
 
 
 def test_native_parameters_are_packed_as_tritons_launcher_packs_them():
@@ -342,7 +436,7 @@ def _dry_spec(*slots_and_scalars):
         else:
             kinds.append(native_launch.ARG_KINDS.index("i32"))
             integers.append(item)
-    return 0, [2, 3, 1, 4, 1, 0, 0, 0, 0], kinds, integers, [0.0] * len(kinds)
+    return 0, [2, 3, 1, 4, 1, 0, 0, 0, 0], kinds, integers, [0.0] * len(kinds), []
 
 
 @pytest.mark.parametrize("accum, row_stats", [(0, False), (1, False), (0, True), (1, True)])

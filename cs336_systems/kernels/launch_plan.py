@@ -29,6 +29,7 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections import OrderedDict
@@ -90,6 +91,23 @@ def bound_values(jit_function, args: tuple, kwargs: dict) -> list:
     return list(bound.arguments.values())
 
 
+@dataclass(frozen=True)
+class DeviceAddress:
+    """A tensor's address and dtype, all a host tensor descriptor reads of its base (Triton's launcher encodes the
+    descriptor from `base.data_ptr()`): a replayed descriptor over a slot's new tensor, with no tensor held."""
+
+    address: int
+    dtype: torch.dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def is_tensor_descriptor(value) -> bool:
+    """A host tensor descriptor (Triton's or Gluon's TensorDescriptor: a dataclass over a base tensor)."""
+    return dataclasses.is_dataclass(value) and hasattr(value, "base") and hasattr(value, "block_shape")
+
+
 @dataclass
 class CapturedLaunch:
     """One kernel launch with its tensor arguments replaced by named slots."""
@@ -99,11 +117,17 @@ class CapturedLaunch:
     slots: tuple[tuple[int, str], ...]  # (parameter position, tensor name)
     compiled: object  # Triton's CompiledKernel (native_launch.py reads its function and metadata)
     grid: tuple[int, int, int]
+    # (parameter position, tensor name) of host tensor descriptors over a slot's tensor: the descriptor (shape,
+    # strides, tiles) stays, its base moves to the tensor's address per call
+    descriptor_slots: tuple[tuple[int, str], ...] = ()
 
     def __call__(self, addresses: dict[str, int]) -> None:
         values = self.values.copy()
         for position, name in self.slots:
             values[position] = addresses[name]
+        for position, name in self.descriptor_slots:
+            template = values[position]
+            values[position] = dataclasses.replace(template, base=DeviceAddress(addresses[name], template.base.dtype))
         self.runner(*values)
 
 
@@ -114,25 +138,30 @@ def capture(compiled, grid: tuple, values: list, tensors: dict[str, torch.Tensor
     by_address: dict[int, list[str]] = {}
     for name, tensor in tensors.items():
         by_address.setdefault(tensor.data_ptr(), []).append(name)
-    slots = []
+    slots, descriptor_slots = [], []
     for position, value in enumerate(values):
-        if isinstance(value, torch.Tensor):
-            names = by_address.get(value.data_ptr(), [])
+        base = value.base if is_tensor_descriptor(value) else value
+        if isinstance(base, torch.Tensor):
+            names = by_address.get(base.data_ptr(), [])
             if len(names) != 1:
                 return None
-            slots.append((position, names[0]))
-    return _captured(compiled, grid, values, tuple(slots))
+            (descriptor_slots if base is not value else slots).append((position, names[0]))
+    return _captured(compiled, grid, values, tuple(slots), tuple(descriptor_slots))
 
 
-def _captured(compiled, grid: tuple, values: list, slots: tuple) -> CapturedLaunch:
-    """The CapturedLaunch of a launch that has just run, with the slots' tensors taken out of its values."""
+def _captured(compiled, grid: tuple, values: list, slots: tuple, descriptor_slots: tuple = ()) -> CapturedLaunch:
+    """The CapturedLaunch of a launch that has just run, with the slots' tensors taken out of its values (a
+    descriptor keeps its base's address only)."""
     values = list(values)
     for position, _ in slots:
         values[position] = None
+    for position, _ in descriptor_slots:
+        descriptor = values[position]
+        values[position] = dataclasses.replace(descriptor, base=DeviceAddress(0, descriptor.base.dtype))
     if hasattr(compiled, "result"):  # Triton's asynchronous compile mode hands back a future
         compiled = compiled.result()
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return CapturedLaunch(compiled[grid], values, slots, compiled, grid)
+    return CapturedLaunch(compiled[grid], values, slots, compiled, grid, descriptor_slots)
 
 
 def _argument_key(value) -> object:

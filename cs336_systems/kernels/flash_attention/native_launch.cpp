@@ -4,9 +4,10 @@
 // A plan is registered from Python once per input signature (launch_plan.py captured its kernels): for each
 // kernel, the CUfunction Triton loaded, the grid, the launch configuration Triton's own launcher would use
 // (warps, CTAs per cluster, shared memory, cooperative / PDL flags, global scratch per program) and one entry
-// per non-constexpr parameter: a tensor slot (filled per call with that tensor's address) or a scalar. The
-// parameters are packed as Triton's generated launcher packs them (backends/nvidia/driver.py, make_launcher):
-// each value in its own storage, then the global and profile scratch pointers.
+// per non-constexpr parameter: a tensor slot (filled per call with that tensor's address), a host tensor descriptor
+// over a slot's tensor (encoded per call at that address) or a scalar. The parameters are packed as Triton's
+// generated launcher packs them (backends/nvidia/driver.py, make_launcher): each value in its own storage (a
+// descriptor's 128-byte CUtensorMap by value), then the global and profile scratch pointers.
 //
 // It builds against torch's CPU headers and Triton's bundled cuda.h: the driver is opened with dlopen and the
 // current stream comes through c10's device-generic interface, so nothing links against CUDA here.
@@ -35,12 +36,23 @@ enum Slot : int64_t {
 };
 
 // Parameter kinds, in the order native_launch.ARG_KINDS names them.
-enum ArgKind : int64_t { kTensor, kNullPointer, kI1, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kF32, kF64 };
+enum ArgKind : int64_t {
+  kTensor, kNullPointer, kI1, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kF32, kF64, kTensorMap
+};
 
 struct Arg {
   int64_t kind;
-  int64_t integer;  // the slot for kTensor, the value for integer kinds
+  int64_t integer;  // the slot for kTensor, the index into Kernel::maps for kTensorMap, the value for integer kinds
   double real;      // the value for kF32 / kF64
+};
+
+// A host tensor descriptor, as Triton's fill_tma_descriptor encodes it (backends/nvidia/driver.c): everything but
+// the address is fixed by the plan's signature. Dimensions innermost first, strides in bytes (rank - 1 of them).
+struct TensorMapSpec {
+  int64_t slot, data_type, swizzle, fill;
+  uint32_t rank;
+  std::array<cuuint64_t, 5> dims{}, byte_strides{};
+  std::array<cuuint32_t, 5> box{};
 };
 
 struct Kernel {
@@ -48,6 +60,7 @@ struct Kernel {
   std::array<uint32_t, 3> grid;
   int64_t num_warps, num_ctas, shared_memory, cooperative, pdl, global_scratch;
   std::vector<Arg> args;
+  std::vector<TensorMapSpec> maps;
 };
 
 enum Accum : int64_t { kNoAccum, kGluonAccum, kTlAccum };
@@ -71,6 +84,9 @@ Function driver_symbol(const char* name) {
 }
 
 using LaunchEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 LaunchEx launch_ex() {
   static LaunchEx function = driver_symbol<LaunchEx>("cuLaunchKernelEx");
@@ -102,7 +118,24 @@ void ensure_context(const c10::Device& device) {
   TORCH_CHECK(set_current(context) == CUDA_SUCCESS, "cs336 native attention: cuCtxSetCurrent failed");
 }
 
-// Each parameter in 8 bytes of its own, written as its C type: the launcher passes pointers to these.
+// A descriptor over `address` with the spec's shape, strides and tiles (no element strides, no interleave, 128-byte
+// L2 promotion: Triton's choices).
+CUtensorMap encode(const TensorMapSpec& spec, uint64_t address) {
+  static EncodeTiled encode_tiled = driver_symbol<EncodeTiled>("cuTensorMapEncodeTiled");
+  const std::array<cuuint32_t, 5> element_strides{1, 1, 1, 1, 1};
+  CUtensorMap map;
+  CUresult result = encode_tiled(&map, static_cast<CUtensorMapDataType>(spec.data_type), spec.rank,
+                                 reinterpret_cast<void*>(address), spec.dims.data(), spec.byte_strides.data(),
+                                 spec.box.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 static_cast<CUtensorMapSwizzle>(spec.swizzle), CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                 static_cast<CUtensorMapFloatOOBfill>(spec.fill));
+  TORCH_CHECK(result == CUDA_SUCCESS, "cs336 native attention: cuTensorMapEncodeTiled failed with CUresult ",
+              int(result));
+  return map;
+}
+
+// Each parameter in 8 bytes of its own, written as its C type: the launcher passes pointers to these (a descriptor's
+// entry holds its tensor's address; `launch` passes the encoded CUtensorMap in its place).
 std::vector<uint64_t> pack(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& addresses,
                            uint64_t global_scratch) {
   std::vector<uint64_t> storage(kernel.args.size() + 2, 0);
@@ -111,6 +144,7 @@ std::vector<uint64_t> pack(const Kernel& kernel, const std::array<uint64_t, kNum
     void* slot = &storage[i];
     switch (arg.kind) {
       case kTensor: storage[i] = addresses.at(arg.integer); break;
+      case kTensorMap: storage[i] = addresses.at(kernel.maps.at(arg.integer).slot); break;
       case kNullPointer: storage[i] = 0; break;
       case kI1: case kI8: { int8_t v = static_cast<int8_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
       case kI16: { int16_t v = static_cast<int16_t>(arg.integer); std::memcpy(slot, &v, sizeof v); break; }
@@ -153,6 +187,13 @@ void launch(const Kernel& kernel, const std::array<uint64_t, kNumSlots>& address
   }
   std::vector<void*> params(storage.size());
   for (size_t i = 0; i < storage.size(); ++i) params[i] = &storage[i];
+  std::vector<CUtensorMap> maps(kernel.maps.size());  // (CUtensorMap is 64-byte aligned: so is each entry)
+  for (size_t i = 0; i < kernel.args.size(); ++i) {
+    if (kernel.args[i].kind != kTensorMap) continue;
+    size_t index = size_t(kernel.args[i].integer);
+    maps[index] = encode(kernel.maps[index], storage[i]);
+    params[i] = &maps[index];
+  }
 
   c10::Stream stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device);
   CUlaunchAttribute attributes[4];
@@ -293,8 +334,27 @@ struct FlashAttentionNative : public torch::autograd::Function<FlashAttentionNat
   }
 };
 
+// [slot, data type, swizzle, fill, rank, dims (innermost first), byte strides (rank - 1), box dims] -> a spec
+TensorMapSpec tensor_map_from(const std::vector<int64_t>& entries) {
+  TORCH_CHECK(entries.size() >= 5, "cs336 native attention: a tensor map has at least 5 entries");
+  TensorMapSpec spec;
+  spec.slot = entries[0], spec.data_type = entries[1], spec.swizzle = entries[2], spec.fill = entries[3];
+  spec.rank = uint32_t(entries[4]);
+  TORCH_CHECK(spec.rank >= 1 && spec.rank <= 5 && entries.size() == 5 + 3 * spec.rank - 1,
+              "cs336 native attention: a tensor map of rank ", spec.rank, " has ", 3 * spec.rank + 4, " entries, got ",
+              entries.size());
+  TORCH_CHECK(spec.slot >= 0 && spec.slot < kNumSlots, "cs336 native attention: tensor slot ", spec.slot,
+              " out of range");
+  size_t at = 5;
+  for (uint32_t d = 0; d < spec.rank; ++d) spec.dims[d] = cuuint64_t(entries[at++]);
+  for (uint32_t d = 0; d + 1 < spec.rank; ++d) spec.byte_strides[d] = cuuint64_t(entries[at++]);
+  for (uint32_t d = 0; d < spec.rank; ++d) spec.box[d] = cuuint32_t(entries[at++]);
+  return spec;
+}
+
 Kernel kernel_from(int64_t function, const std::vector<int64_t>& config, const std::vector<int64_t>& kinds,
-                   const std::vector<int64_t>& integers, const std::vector<double>& reals) {
+                   const std::vector<int64_t>& integers, const std::vector<double>& reals,
+                   const std::vector<std::vector<int64_t>>& maps) {
   TORCH_CHECK(config.size() == 9, "cs336 native attention: a kernel's config has 9 entries, got ", config.size());
   TORCH_CHECK(kinds.size() == integers.size() && kinds.size() == reals.size(),
               "cs336 native attention: kinds, integers and reals must have one entry per parameter");
@@ -303,21 +363,27 @@ Kernel kernel_from(int64_t function, const std::vector<int64_t>& config, const s
   kernel.grid = {uint32_t(config[0]), uint32_t(config[1]), uint32_t(config[2])};
   kernel.num_warps = config[3], kernel.num_ctas = config[4], kernel.shared_memory = config[5];
   kernel.cooperative = config[6], kernel.pdl = config[7], kernel.global_scratch = config[8];
+  for (const auto& entries : maps) kernel.maps.push_back(tensor_map_from(entries));
   for (size_t i = 0; i < kinds.size(); ++i) {
+    TORCH_CHECK(kinds[i] >= kTensor && kinds[i] <= kTensorMap, "cs336 native attention: unknown parameter kind ",
+                kinds[i]);
     TORCH_CHECK(kinds[i] != kTensor || (integers[i] >= 0 && integers[i] < kNumSlots),
                 "cs336 native attention: tensor slot ", integers[i], " out of range");
+    TORCH_CHECK(kinds[i] != kTensorMap || (integers[i] >= 0 && size_t(integers[i]) < kernel.maps.size()),
+                "cs336 native attention: tensor map ", integers[i], " out of range");
     kernel.args.push_back({kinds[i], integers[i], reals[i]});
   }
   return kernel;
 }
 
+// (function, config, kinds, integers, reals, tensor maps)
 using KernelSpec = std::tuple<int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                              std::vector<double>>;  // (function, config, kinds, integers, reals)
+                              std::vector<double>, std::vector<std::vector<int64_t>>>;
 
 std::vector<Kernel> kernels_from(const std::vector<KernelSpec>& specs) {
   std::vector<Kernel> kernels;
-  for (const auto& [function, config, kinds, integers, reals] : specs) {
-    kernels.push_back(kernel_from(function, config, kinds, integers, reals));
+  for (const auto& [function, config, kinds, integers, reals, maps] : specs) {
+    kernels.push_back(kernel_from(function, config, kinds, integers, reals, maps));
   }
   return kernels;
 }
@@ -363,8 +429,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> backward(
 // The parameter bytes a kernel spec would be launched with (tests compare them with Triton's packing rules).
 py::bytes packed_parameters(const KernelSpec& spec, const std::vector<int64_t>& slot_addresses,
                             int64_t global_scratch) {
-  const auto& [function, config, kinds, integers, reals] = spec;
-  Kernel kernel = kernel_from(function, config, kinds, integers, reals);
+  const auto& [function, config, kinds, integers, reals, maps] = spec;
+  Kernel kernel = kernel_from(function, config, kinds, integers, reals, maps);
   std::array<uint64_t, kNumSlots> addresses{};
   TORCH_CHECK(slot_addresses.size() <= addresses.size(), "cs336 native attention: too many slot addresses");
   std::copy(slot_addresses.begin(), slot_addresses.end(), addresses.begin());

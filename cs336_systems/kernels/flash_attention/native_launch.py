@@ -33,7 +33,8 @@ from cs336_systems.kernels.flash_attention import buffers, dispatch
 
 # Names of the tensor slots and parameter kinds, in native_launch.cpp's enum order.
 SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dk", "dv", "dq", "dq_accum", "row_max", "row_inv_sum")
-ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp32", "fp64")
+ARG_KINDS = ("tensor", "null", "i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64", "fp32", "fp64",
+             "tensormap")
 # Triton's scalar parameter types -> our kinds, as its launcher stores them (driver.py's ty_to_cpp: "u1", a
 # Python bool, is a uint8_t)
 _INTEGER_KINDS = {"i1": "i1", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64", "u1": "u8", "u8": "u8",
@@ -110,10 +111,30 @@ def _flattened(type_, value):
         yield type_, value
 
 
+def tensor_map_entries(descriptor, slot: str, meta: dict) -> list[int] | None:
+    """A host tensor descriptor over a slot's tensor as native_launch.cpp's TensorMapSpec takes it: [slot, data
+    type, swizzle, fill, rank, dims, byte strides, box], innermost dimension first, as Triton's fill_tma_descriptor
+    encodes it from the kernel's `tensordesc_meta` (backends/nvidia/driver.py, make_tensordesc_arg). None for
+    fp4-padded descriptors (not ours)."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    if meta.get("fp4_padded"):
+        return None
+    rank, element_size = len(descriptor.shape), int(meta["elem_size"])
+    dims = [int(size) for size in reversed(descriptor.shape)]
+    byte_strides = [int(stride) * element_size for stride in reversed(descriptor.strides[:-1])]
+    box = [int(size) for size in reversed(meta["block_size"])]
+    fill = 1 if descriptor.padding == "nan" else 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA or NONE
+    return [SLOTS.index(slot), TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], int(meta["swizzle"]), fill, rank, *dims,
+            *byte_strides, *box]
+
+
 def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
-    """(function, config, kinds, integers, reals) for native_launch.cpp, from a captured launch; None where a
-    parameter has a type the packer does not take or the kernel needs profile scratch. Tuple parameters (a
-    tensor's strides) are flattened as Triton's launcher flattens them (`_flattened`)."""
+    """(function, config, kinds, integers, reals, tensor maps) for native_launch.cpp, from a captured launch; None
+    where a parameter has a type the packer does not take or the kernel needs profile scratch. Tuple parameters (a
+    tensor's strides) are flattened as Triton's launcher flattens them (`_flattened`); a host tensor descriptor over
+    a slot's tensor becomes its CUtensorMap (encoded per call), then its shape as i32 and strides as i64, as
+    Triton's launcher expands it."""
     compiled = captured.compiled
     metadata = compiled.metadata
     if getattr(metadata, "profile_scratch_size", 0):  # (instrumentation only)
@@ -121,10 +142,26 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
     types = list(compiled.src.signature.values())
     if len(types) != len(captured.values):
         return None
-    slots = dict(captured.slots)
-    kinds, integers, reals = [], [], []
+    slots, descriptor_slots = dict(captured.slots), dict(captured.descriptor_slots)
+    descriptor_meta = list(getattr(metadata, "tensordesc_meta", None) or [])
+    kinds, integers, reals, maps = [], [], [], []
     for position, (type_, value) in enumerate(zip(types, captured.values)):
         if type_ == "constexpr":
+            continue
+        if isinstance(type_, str) and type_.startswith("tensordesc"):
+            meta = descriptor_meta.pop(0) if descriptor_meta else None
+            entries = (tensor_map_entries(value, descriptor_slots[position], meta)
+                       if meta is not None and position in descriptor_slots else None)
+            if entries is None:
+                return None  # lowered without a CUtensorMap, or over no slot's tensor
+            kinds.append(ARG_KINDS.index("tensormap"))
+            integers.append(len(maps))
+            reals.append(0.0)
+            maps.append(entries)
+            for kind, sizes in (("i32", value.shape), ("i64", value.strides)):
+                kinds.extend([ARG_KINDS.index(kind)] * len(sizes))
+                integers.extend(int(size) for size in sizes)
+                reals.extend([0.0] * len(sizes))
             continue
         if isinstance(type_, tuple):  # a tensor's strides: its scalars, in order, as Triton's launcher packs them
             for element_type, element in _flattened(type_, value):
@@ -136,7 +173,7 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
                     return None  # pointers or reals inside a tuple: none of our kernels takes them
             continue
         if not isinstance(type_, str):
-            return None  # descriptors
+            return None  # (no other parameter kinds)
         if type_.startswith("*"):
             if position in slots:
                 kinds.append(ARG_KINDS.index("tensor"))
@@ -156,12 +193,12 @@ def kernel_spec(captured: launch_plan.CapturedLaunch) -> tuple | None:
             integers.append(0)
             reals.append(float(value))
         else:
-            return None  # fp16/bf16 scalars, tensor descriptors
+            return None  # fp16/bf16 scalars
     num_warps, num_ctas, shared = compiled.packed_metadata[:3]
     config = [*captured.grid, num_warps, num_ctas, shared, int(bool(metadata.launch_cooperative_grid)),
               int(bool(metadata.launch_pdl)), int(getattr(metadata, "global_scratch_size", 0))]
     compiled._init_handles()
-    return int(compiled.function), config, kinds, integers, reals
+    return int(compiled.function), config, kinds, integers, reals, maps
 
 
 def make_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, backward: str) -> bool:

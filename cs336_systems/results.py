@@ -54,8 +54,11 @@ def environment(device: torch.device | str) -> dict:
         device_name = torch.cuda.get_device_name(device)
     else:
         device_name = platform.processor() or platform.machine() or "cpu"
+    # Our switches set for the run (CS336_FLASH_GLUON=0, ...): two runs that differ only there tell apart.
+    switches = {name: value for name, value in sorted(os.environ.items())
+                if name.startswith("CS336_") and name != "CS336_GIT_COMMIT"}
     return dict(device=device.type, device_name=device_name, torch=torch.__version__, triton=triton_version,
-                python=platform.python_version(), git_commit=git_commit())
+                python=platform.python_version(), git_commit=git_commit(), switches=switches)
 
 
 @dataclass

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                     reason="the Gluon passes run on Hopper (sm_90)")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cs336_systems.kernels.flash_attention.reference import FlashAttentionPytorch, naive_attention
-from tests._support import CopyCounter, assert_within_budget, kernel_device, requires_cuda
+from tests._support import CopyCounter, assert_within_budget, kernel_device, requires_cuda, requires_hopper
 
 # (batch, heads or None for 3-D, n_queries, n_keys, head_dim): odd lengths, batch 1, a single
 # query tile, n_queries != n_keys both ways, non-power-of-two head dims.
@@ -611,8 +611,6 @@ def test_fp32_tensor_core_first_configs_fit_shared_memory_at_d128(kernel):
 
 # ---- The Gluon backward passes (Hopper only) ----
 
-requires_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                     reason="the Gluon passes run on Hopper (sm_90)")
 # Ragged lengths (TMA zero-fill and clipped stores), n_queries != n_keys both ways, a single query row,
 # 3-D input, and lengths shorter than one tile.
 GLUON_SHAPES = [(1, 2, 256, 256, 128), (2, 3, 1000, 1000, 64), (1, 2, 513, 257, 128), (1, 1, 77, 300, 64),

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from cs336_systems.kernels import launch_plan
-from tests._support import requires_cuda
+from tests._support import requires_cuda, requires_hopper
 
 
 @triton.jit
@@ -590,6 +590,57 @@ def test_native_replay_on_head_views_and_a_broadcast_gradient():
     attend("native")  # makes the plan
     native, python = attend("native"), attend("python")
     assert torch.equal(native[0], python[0]) and torch.equal(native[1], python[1])  # d 64: two passes
+
+
+@requires_hopper
+@pytest.mark.parametrize("launcher", ["native", "python"])
+@pytest.mark.parametrize("layout", ["contiguous", "head-views"])
+def test_plans_replay_host_descriptors_over_new_tensors(launcher, layout, monkeypatch):
+    """With the Gluon passes on the host's tensor descriptors (CS336_FLASH_HOST_DESCRIPTORS=1), a replayed plan
+    (the Python replay rebuilds each descriptor over its tensor's new address; the C++ one encodes a CUtensorMap per
+    call) gives bit for bit what the normal launch path gives with the passes making their own descriptors. Shapes
+    of their own: native plans outlive the test and do not know the switch."""
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    if launcher == "native":
+        _native_module()
+    heads, d = (3, 64) if layout == "contiguous" else (5, 128)
+
+    def inputs(seed):
+        torch.manual_seed(seed)
+        if layout == "contiguous":
+            return _fresh_inputs(2, heads, 333, 333, d, torch.bfloat16, seed)
+        qkv = torch.randn(2, 331 if launcher == "native" else 329, 3, heads, d, device="cuda", dtype=torch.bfloat16,
+                          requires_grad=True)
+        return [qkv[:, :, i].transpose(1, 2) for i in range(3)], qkv
+
+    def attend(seed, grad_seed):
+        made = inputs(seed)
+        q, k, v = made[0] if layout == "head-views" else made
+        leaves = [made[1]] if layout == "head-views" else made
+        out = flash_attention(q, k, v, True, backward="two-pass", launcher=launcher)
+        torch.manual_seed(grad_seed)
+        out.backward(torch.randn_like(out))
+        return [out.detach().clone(), *(leaf.grad.clone() for leaf in leaves)]
+
+    launch_plan.clear_plans()
+    monkeypatch.setenv("CS336_FLASH_HOST_DESCRIPTORS", "1")
+    try:
+        attend(0, 10)  # makes the plans
+        before = launch_plan.plan_count()
+        replayed = attend(1, 11)  # new addresses and values
+        assert launch_plan.plan_count() == before
+    finally:
+        launch_plan.clear_plans()
+    monkeypatch.setenv("CS336_FLASH_HOST_DESCRIPTORS", "0")
+    launch_plan.use_plans(False)
+    try:
+        direct = attend(1, 11)
+    finally:
+        launch_plan.use_plans(True)
+    assert len(replayed) == len(direct)
+    for mine, theirs in zip(replayed, direct):
+        assert torch.equal(mine, theirs)
 
 
 class _CountingMode(torch.utils._python_dispatch.TorchDispatchMode):

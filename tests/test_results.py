@@ -26,6 +26,18 @@ def test_rows_are_appended_as_json_lines(tmp_path):
     json.dumps(rows)  # plain JSON throughout
 
 
+def test_rows_carry_the_switches_set_for_the_run(tmp_path, monkeypatch):
+    """Two runs that differ only in an environment switch (CS336_FLASH_HOST_DESCRIPTORS, ...) are told apart by
+    their rows; the commit override (`git_commit`'s, read once a process) is not a switch."""
+    monkeypatch.setenv("CS336_FLASH_HOST_DESCRIPTORS", "1")
+    monkeypatch.setenv("CS336_GIT_COMMIT", "abc123")
+    store = ResultStore("demo", "cpu", tmp_path)
+    store.add(provider="ours", config={"size": 1}, metric="time", unit="ms", value=2.0)
+    row, = load_rows(tmp_path / "demo.jsonl")
+    assert row["switches"]["CS336_FLASH_HOST_DESCRIPTORS"] == "1" and "CS336_GIT_COMMIT" not in row["switches"]
+    assert list(rows_to_frame([row])["size"]) == [1]
+
+
 def test_frame_and_pivot_show_failed_cells(tmp_path):
     store = ResultStore("demo", "cpu", tmp_path)
     store.add(provider="ours", config={"size": 1}, metric="time", unit="ms", value=2.0)

@@ -21,10 +21,10 @@ compiled kernels directly, substituting only the tensors' addresses. Two users:
   RoPE, the cross-entropy rows): keyed by the kernel, grid, keyword arguments, every tensor argument's shape,
   strides, dtype, device and alignment and every other argument's value; tensors are slotted by position.
 
-Limits: environment switches (CS336_FLASH_GLUON, CS336_AUTOTUNE) are read when a plan is made; `clear_plans()`
-drops them. Plans are kept only on CUDA (the interpreter has no compiled kernels) and at most `MAX_PLANS` of them
-(oldest dropped first). `CS336_FLASH_LAUNCH_PLANS=0`, or `use_plans(False)`, runs every call through the normal
-path.
+Limits: environment switches (CS336_FLASH_GLUON, CS336_FLASH_HOST_DESCRIPTORS, CS336_AUTOTUNE) are read when a
+plan is made; `clear_plans()` drops them. Plans are kept only on CUDA (the interpreter has no compiled kernels) and
+at most `MAX_PLANS` of them (oldest dropped first). `CS336_FLASH_LAUNCH_PLANS=0`, or `use_plans(False)`, runs every
+call through the normal path.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import torch
 from cs336_systems.kernels import launch_plan
 from cs336_systems.kernels._triton_utils import cdiv, check_operator_device, interpreting, next_power_of_2, runs_kernel
 from cs336_systems.kernels.flash_attention import (
+    gluon_common,
     hopper_backward,
     hopper_forward,
     hopper_one_pass,
@@ -142,7 +143,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
             and hopper_backward.eligible(q4) and tma_eligible(q4, k4, v4, o4)):
         install_descriptor_allocator(q.device)
         launch = hopper_forward.forward_pass(q4, k4, v4, o4, lse, is_causal, 1.0 / math.sqrt(head_dim),
-                                             warp_specialised)
+                                             warp_specialised, gluon_common.host_descriptors_default())
         return launch, out, lse
     block_d, even_d, precision, (nq_bucket, nk_bucket) = _launch_shape(q, k)
     qk_scale = LOG2E.value / math.sqrt(head_dim)
@@ -320,7 +321,8 @@ def _backward_launches(q, k, v, out, lse, grad_out, is_causal, choice: BackwardC
     dq4 = _as_4d(buffers["dq"])
     if "gluon" in choice.kernels[0] or "gluon" in choice.kernels[1]:
         gluon_dkdv, gluon_dq = hopper_backward.backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4,
-                                                               is_causal, sm_scale)
+                                                               is_causal, sm_scale,
+                                                               gluon_common.host_descriptors_default())
     dkdv_args = (*common, dk4, dv4, None, *strides, dk4.stride(), dv4.stride(), *sizes)
     if choice.kernels[0] == "dkdv-gluon":
         dkdv = gluon_dkdv

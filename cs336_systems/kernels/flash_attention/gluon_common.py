@@ -8,6 +8,8 @@ hopper_one_pass.py (the warp-specialised one-pass backward); each imports from h
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton._C.libtriton import ir
@@ -240,6 +242,13 @@ def zero_first_row_t(dsT, tile, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, B
         offs_m = tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
         dsT = gl.where(offs_m[None, :] == 0, 0.0, dsT)
     return dsT
+
+
+def host_descriptors_default() -> bool:
+    """Whether the shipped Gluon passes (the in-warpgroup forward, the two-pass backward) take the host's tensor
+    descriptors (`host_row_tiles`) instead of making their own per program: CS336_FLASH_HOST_DESCRIPTORS=1, read
+    when a launch plan is made. Off until measured faster (notes/flash_attention.md)."""
+    return os.environ.get("CS336_FLASH_HOST_DESCRIPTORS", "0") == "1"
 
 
 def host_row_tiles(t4: torch.Tensor, rows: int):

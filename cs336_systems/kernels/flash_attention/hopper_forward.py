@@ -286,7 +286,8 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs.
     warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: as
     `default_forward` chooses (and its tiles). host_descriptors: the in-warpgroup kernel on the host's 4D tensor
-    descriptors, made per launch (`HOST_DESCRIPTORS`; attention-tune kernel `forward-gluon-late-host`)."""
+    descriptors, made per launch (`HOST_DESCRIPTORS`; attention-tune kernel `forward-gluon-late-host`); the
+    warp-specialised one makes its own whatever it says."""
     batch, heads, n_queries, head_dim = q4.shape
     default_ws, config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim, sm_count(q4.device))
     if warp_specialised is None:
@@ -298,8 +299,6 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     flags = dict(IS_CAUSAL=bool(is_causal), HEAD_DIM=head_dim)
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
-        if host_descriptors:
-            raise ValueError("host_descriptors: the in-warpgroup forward only (warp_specialised=False)")
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
     flags |= dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
     if not host_descriptors:

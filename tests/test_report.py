@@ -569,3 +569,20 @@ def test_compiled_over_eager_takes_the_plain_compiled_step_not_a_graphed_one(tmp
     line = next(line for line in text.splitlines() if line.startswith("| xl") and "same run" in line)
     assert "138" in line and "158" in line and "1.14" in line
     assert "another run" not in text
+
+
+def test_rows_measured_off_the_shipped_switches_stay_out():
+    """An A/B of a switch (CS336_FLASH_HOST_DESCRIPTORS=1) measured what a user does not run: the report reads only
+    rows whose switches are unset or at their shipped values; switches it does not know are ignored."""
+    import pandas as pd
+
+    from cs336_systems.report.sections.common import shipped_rows
+    from cs336_systems.results import rows_to_frame
+
+    rows = [dict(provider="ours", median=1.0, switches={}),
+            dict(provider="ours", median=2.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "1"}),
+            dict(provider="ours", median=3.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "0"}),
+            dict(provider="ours", median=4.0, switches={"CS336_EXTENSIONS_DIR": "/tmp/x"}),
+            dict(provider="ours", median=5.0)]
+    assert list(shipped_rows(rows_to_frame(rows))["median"]) == [1.0, 3.0, 4.0, 5.0]
+    assert shipped_rows(pd.DataFrame()).empty

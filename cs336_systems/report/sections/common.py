@@ -15,6 +15,22 @@ import pandas as pd
 from cs336_systems.report.document import Document, Heading, Paragraph
 from cs336_systems.results import load_rows, rows_to_frame
 
+# Our environment switches and the values the toolkit ships with: rows measured with another value (an A/B of a
+# switch, CS336_FLASH_HOST_DESCRIPTORS=1) measured something a user does not run, and stay out of the report.
+SHIPPED_SWITCHES = {"CS336_AUTOTUNE": "1", "CS336_FLASH_GLUON": "1", "CS336_FLASH_HOST_DESCRIPTORS": "0",
+                    "CS336_FLASH_LAUNCH_PLANS": "1", "CS336_FLASH_NATIVE": "1", "CS336_TRITON_OPS": "1",
+                    "CS336_FP32_WEIGHT_GRADIENTS": "1"}
+
+
+def shipped_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows measured with every switch at its shipped value (unset, or set to it)."""
+    keep = pd.Series(True, index=frame.index)
+    for name, value in SHIPPED_SWITCHES.items():
+        column = f"switches.{name}"
+        if column in frame.columns:
+            keep &= frame[column].isna() | (frame[column].astype(str) == value)
+    return frame[keep]
+
 
 @dataclass
 class Results:
@@ -25,7 +41,7 @@ class Results:
 
     @classmethod
     def load(cls, results_dir: Path, figures_dir: Path) -> Results:
-        frames = {p.stem: rows_to_frame(load_rows(p)) for p in sorted(results_dir.glob("*.jsonl"))}
+        frames = {p.stem: shipped_rows(rows_to_frame(load_rows(p))) for p in sorted(results_dir.glob("*.jsonl"))}
         figures_dir.mkdir(parents=True, exist_ok=True)
         return cls(frames, results_dir, figures_dir)
 

@@ -361,14 +361,14 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
       ;;
     session64)
-      # The passes on the host's tensor descriptors (~9 min, H100 or H200): their GPU tests (kernels bit-equal to the
+      # The passes on the host's tensor descriptors (~7.5 min, H100 or H200): their GPU tests (kernels bit-equal to the
       # shipped ones at every tuned tile; Python and native launch plans replaying them over new tensors), their
       # tiles beside the shipped ones at the d 64 shapes where ours trails cuDNN, then the attention train sweep
       # against cuDNN with them off and on (CS336_FLASH_HOST_DESCRIPTORS, recorded in the rows' switches).
-      gpu_tests session64 190 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
-        -k "host_descriptors or gluon_forward_matches or native_replay"
-      timeout 120 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
-        --shape 4x20x2048x64,4x32x4096x64,4x12x512x64 \
+      gpu_tests session64 150 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
+        -k "host_descriptors"
+      timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
+        --shape 4x20x2048x64,4x32x4096x64 \
         --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \
         --top 30 --no-progress --results-dir "$R" 2>&1 | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -40
       CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep

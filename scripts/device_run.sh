@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session64, session64-short, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session64, session64-short, session64-tune, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -378,6 +378,13 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # session64 without the sweeps (~4.5 min): the host-descriptor GPU tests, then the tiles beside the shipped ones.
       gpu_tests session64 150 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
         -k "host_descriptors"
+      timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
+        --shape 4x20x2048x64,4x32x4096x64 \
+        --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \
+        --top 30 --no-progress --results-dir "$R" 2>&1 | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -40
+      ;;
+    session64-tune)
+      # The least of session64 (~2 min): the host-descriptor tiles beside the shipped ones at two d 64 shapes.
       timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
         --shape 4x20x2048x64,4x32x4096x64 \
         --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \

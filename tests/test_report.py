@@ -572,7 +572,7 @@ def test_compiled_over_eager_takes_the_plain_compiled_step_not_a_graphed_one(tmp
 
 
 def test_rows_measured_off_the_shipped_switches_stay_out():
-    """An A/B of a switch (CS336_FLASH_HOST_DESCRIPTORS=1) measured what a user does not run: the report reads only
+    """An A/B of a switch (CS336_FLASH_HOST_DESCRIPTORS=0) measured what a user does not run: the report reads only
     rows whose switches are unset or at their shipped values; switches it does not know are ignored."""
     import pandas as pd
 
@@ -580,8 +580,8 @@ def test_rows_measured_off_the_shipped_switches_stay_out():
     from cs336_systems.results import rows_to_frame
 
     rows = [dict(provider="ours", median=1.0, switches={}),
-            dict(provider="ours", median=2.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "1"}),
-            dict(provider="ours", median=3.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "0"}),
+            dict(provider="ours", median=2.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "0"}),
+            dict(provider="ours", median=3.0, switches={"CS336_FLASH_HOST_DESCRIPTORS": "1"}),
             dict(provider="ours", median=4.0, switches={"CS336_EXTENSIONS_DIR": "/tmp/x"}),
             dict(provider="ours", median=5.0)]
     assert list(shipped_rows(rows_to_frame(rows))["median"]) == [1.0, 3.0, 4.0, 5.0]

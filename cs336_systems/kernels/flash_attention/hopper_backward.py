@@ -461,7 +461,8 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     (backward.py's preprocess) before they run. (A warp-specialised dQ pass, split as hopper_forward's
     flash_forward_ws_kernel, was slower: notes/flash_attention.md, version 9, commit 17609933637a.)
     host_descriptors: both passes on the host's 4D tensor descriptors, made per launch (`HOST_DESCRIPTORS`;
-    attention-tune kernels `dkdv-gluon-host`, `dq-gluon-host`)."""
+    attention-tune kernels `dkdv-gluon-host`, `dq-gluon-host`; `dispatch` passes
+    `gluon_common.host_descriptors_default()`)."""
     batch, heads, n_queries, head_dim = q4.shape
     n_keys = k4.shape[2]
     input_strides, sizes = gluon_common.input_args(q4, k4, v4, do4, sm_scale)

@@ -286,8 +286,8 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     O (o4) and L (lse, fp32 (batch, heads, n_queries) contiguous) are written when it runs.
     warp_specialised: `flash_forward_ws_kernel` (True) or `flash_forward_gluon_kernel` (False); None: as
     `default_forward` chooses (and its tiles). host_descriptors: the in-warpgroup kernel on the host's 4D tensor
-    descriptors, made per launch (`HOST_DESCRIPTORS`; attention-tune kernel `forward-gluon-late-host`); the
-    warp-specialised one makes its own whatever it says."""
+    descriptors, made per launch (`HOST_DESCRIPTORS`; attention-tune kernel `forward-gluon-late-host`; `dispatch`
+    passes `gluon_common.host_descriptors_default()`); the warp-specialised one makes its own whatever it says."""
     batch, heads, n_queries, head_dim = q4.shape
     default_ws, config = default_forward(batch, heads, n_queries, k4.shape[2], head_dim, sm_count(q4.device))
     if warp_specialised is None:

@@ -1065,6 +1065,19 @@ def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, head
 
 
 @requires_hopper
+@pytest.mark.parametrize("launcher", ["native", "python"])
+def test_an_empty_batch_takes_the_gluon_passes_and_gives_empty_results(launcher):
+    """A batch of none: no descriptor can describe it (their sizes must be positive), so the passes keep their own
+    (`forward_pass`, `backward_passes`); O and the gradients come back empty, in the inputs' shapes."""
+    from cs336_systems.kernels.flash_attention.function import flash_attention
+
+    q, k, v = (torch.randn(0, 4, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attention(q, k, v, True, launcher=launcher)
+    out.backward(torch.ones_like(out))
+    assert out.shape == q.shape and all(t.grad is not None and t.grad.shape == t.shape for t in (q, k, v))
+
+
+@requires_hopper
 @pytest.mark.parametrize("heads_view", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", GLUON_SHAPES)

@@ -475,7 +475,7 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, input_strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads))
-    if not host_descriptors:
+    if not host_descriptors or q4.numel() == 0:  # (a descriptor cannot describe an empty batch; nothing runs)
         return dkdv, dq
     tiles = gluon_common.host_row_tiles
 

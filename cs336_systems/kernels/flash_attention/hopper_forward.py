@@ -301,7 +301,7 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     if warp_specialised:  # (warps: the first consumer's 4)
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
     flags |= dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
-    if not host_descriptors:
+    if not host_descriptors or q4.numel() == 0:  # (a descriptor cannot describe an empty batch; nothing runs)
         return GluonPass(flash_forward_gluon_kernel, args, flags, config, grid)
 
     def host_args(block_m: int, block_n: int) -> tuple:  # the descriptors' tiles are the config's

@@ -371,30 +371,21 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
       ;;
     session64)
-      # The passes on the host's tensor descriptors (~7.5 min, H100 or H200): their GPU tests (kernels bit-equal to the
-      # shipped ones at every tuned tile; Python and native launch plans replaying them over new tensors), their
-      # tiles beside the shipped ones at the d 64 shapes where ours trails cuDNN, then the attention train sweep
-      # against cuDNN with them off and on (CS336_FLASH_HOST_DESCRIPTORS, recorded in the rows' switches).
-      gpu_tests session64 150 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
-        -k "host_descriptors"
-      timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
-        --shape 4x20x2048x64,4x32x4096x64 \
-        --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \
-        --top 30 --no-progress --results-dir "$R" 2>&1 | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -40
+      # The passes on the host's tensor descriptors (~7.5 min, H100 or H200): session64-short, then the attention train
+      # sweep against cuDNN with them off and on (CS336_FLASH_HOST_DESCRIPTORS, recorded in the rows' switches).
+      run_stage session64-short
       CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
       CS336_FLASH_HOST_DESCRIPTORS=1 attention_train_sweep
       ;;
     session64-short)
-      # session64 without the sweeps (~4.5 min): the host-descriptor GPU tests, then the tiles beside the shipped ones.
+      # Their GPU tests (~4.5 min: kernels bit-equal to the shipped ones at every tuned tile; Python and native launch
+      # plans replaying them over new tensors), then session64-tune.
       gpu_tests session64 150 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
         -k "host_descriptors"
-      timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
-        --shape 4x20x2048x64,4x32x4096x64 \
-        --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \
-        --top 30 --no-progress --results-dir "$R" 2>&1 | grep -v Warning | grep -E "^[0-9]+x|^\|" | tail -40
+      run_stage session64-tune
       ;;
     session64-tune)
-      # The least of session64 (~2 min): the host-descriptor tiles beside the shipped ones at two d 64 shapes.
+      # Their tiles beside the shipped ones (~2 min) at two d 64 shapes where ours trails cuDNN.
       timeout 100 python3 -m cs336_systems.bench attention-tune --compile-workers 8 \
         --shape 4x20x2048x64,4x32x4096x64 \
         --kernel forward-gluon-late,forward-gluon-late-host,dkdv-gluon-kv,dkdv-gluon-host,dq-gluon,dq-gluon-host \

@@ -1064,6 +1064,26 @@ def test_gluon_forward_on_host_descriptors_matches_reference(shape, causal, head
     assert checked >= 6, checked
 
 
+def test_on_host_descriptors_tiles_the_named_arguments_by_the_configs_rows():
+    """A pass put on the host's descriptors: the tensors at the named positions become descriptors in tiles of the
+    config's BLOCK_M or BLOCK_N rows (made per config), every other argument is passed as it was, HOST_DESCRIPTORS
+    is set; an empty batch keeps the pass as it was."""
+    from cs336_systems.kernels.flash_attention import gluon_common
+    from cs336_systems.kernels.flash_attention.launches import GluonPass
+
+    q, k = torch.zeros(2, 3, 40, 64, dtype=torch.bfloat16), torch.zeros(2, 3, 24, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 3, 40)
+    own = GluonPass(None, (q, k, lse, 7), dict(IS_CAUSAL=True), (64, 32, 4, 2), lambda m, n: (1, 6))
+    host = gluon_common.on_host_descriptors(own, {0: "M", 1: "N"})
+    assert host.flags == dict(IS_CAUSAL=True, HOST_DESCRIPTORS=True) and own.args_for is None
+    q_tiles, k_tiles, lse_arg, seven = host.args_for(128, 32)
+    assert q_tiles.base is q and list(q_tiles.block_shape) == [1, 1, 128, 64]
+    assert k_tiles.base is k and list(k_tiles.block_shape) == [1, 1, 32, 64]
+    assert lse_arg is lse and seven == 7
+    empty = GluonPass(None, (q[:0], k[:0], lse[:0], 7), {}, (64, 32, 4, 2), lambda m, n: (1, 0))
+    assert gluon_common.on_host_descriptors(empty, {0: "M", 1: "N"}) is empty
+
+
 @requires_hopper
 @pytest.mark.parametrize("launcher", ["native", "python"])
 def test_an_empty_batch_takes_the_gluon_passes_and_gives_empty_results(launcher):

@@ -29,6 +29,7 @@ call through the normal path.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
@@ -125,9 +126,9 @@ class CapturedLaunch:
         values = self.values.copy()
         for position, name in self.slots:
             values[position] = addresses[name]
-        for position, name in self.descriptor_slots:
-            template = values[position]
-            values[position] = dataclasses.replace(template, base=DeviceAddress(addresses[name], template.base.dtype))
+        for position, name in self.descriptor_slots:  # (a copy, not dataclasses.replace: its checks passed at capture)
+            values[position] = descriptor = copy.copy(values[position])
+            descriptor.base = DeviceAddress(addresses[name], descriptor.base.dtype)
         self.runner(*values)
 
 

@@ -8,6 +8,7 @@ hopper_one_pass.py (the warp-specialised one-pass backward); each imports from h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -258,6 +259,28 @@ def host_row_tiles(t4: torch.Tensor, rows: int):
     makes one per program (each a descriptor written to global memory and fenced)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=t4.element_size() * 8, rank=4)
     return TensorDescriptor(t4, list(t4.shape), list(t4.stride()), [1, 1, rows, t4.shape[3]], layout)
+
+
+def on_host_descriptors(gluon_pass, tiles: dict[int, str]):
+    """`gluon_pass` (a `launches.GluonPass`) with HOST_DESCRIPTORS set and the (batch, heads, rows, d) tensors at
+    the argument positions `tiles` names passed as the host's descriptors (`host_row_tiles`) in tiles of BLOCK_M
+    ("M") or BLOCK_N ("N") rows, made per launch for the config's tiles (`GluonPass.args_for`). An empty batch keeps
+    the kernel's own: a descriptor's sizes must be positive, and nothing runs."""
+    if gluon_pass.args[0].numel() == 0:
+        return gluon_pass
+
+    def args_for(block_m: int, block_n: int) -> tuple:
+        rows = {"M": block_m, "N": block_n}
+        args = list(gluon_pass.args)
+        for position, side in tiles.items():
+            args[position] = host_row_tiles(args[position], rows[side])
+        return tuple(args)
+
+    return dataclasses.replace(gluon_pass, flags=gluon_pass.flags | dict(HOST_DESCRIPTORS=True), args_for=args_for)
+
+
+# The argument positions of Q, K, V and dO (O in the forward) in every Gluon pass, by the rows of their tiles.
+INPUT_TILES = {0: "M", 1: "N", 2: "N", 3: "M"}
 
 
 def row_strides(t: torch.Tensor) -> tuple[int, int, int]:

@@ -27,7 +27,6 @@ makes P = 0) and n_queries != n_keys. `eligible` says which inputs qualify; the 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -475,21 +474,11 @@ def backward_passes(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, is_causal: bool,
     dq = GluonPass(flash_dq_gluon_kernel, (*common, dq4, input_strides, gluon_common.row_strides(dq4), *sizes),
                    flags | dict(QDO_REGS=DQ_QDO_REGS[head_dim]), DQ_CONFIG[head_dim],
                    lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads))
-    if not host_descriptors or q4.numel() == 0:  # (a descriptor cannot describe an empty batch; nothing runs)
+    if not host_descriptors:
         return dkdv, dq
-    tiles = gluon_common.host_row_tiles
-
-    def dkdv_args(block_m: int, block_n: int) -> tuple:  # the descriptors' tiles are the config's
-        return (tiles(q4, block_m), tiles(k4, block_n), tiles(v4, block_n), tiles(do4, block_m), lse, delta,
-                tiles(dk4, block_n), tiles(dv4, block_n), *dkdv.args[8:])
-
-    def dq_args(block_m: int, block_n: int) -> tuple:
-        return (tiles(q4, block_m), tiles(k4, block_n), tiles(v4, block_n), tiles(do4, block_m), lse, delta,
-                tiles(dq4, block_m), *dq.args[7:])
-
-    host = dict(HOST_DESCRIPTORS=True)
-    return (dataclasses.replace(dkdv, flags=dkdv.flags | host, args_for=dkdv_args),
-            dataclasses.replace(dq, flags=dq.flags | host, args_for=dq_args))
+    inputs = gluon_common.INPUT_TILES  # then dK, dV (positions 6, 7) or dQ (6)
+    return (gluon_common.on_host_descriptors(dkdv, inputs | {6: "N", 7: "N"}),
+            gluon_common.on_host_descriptors(dq, inputs | {6: "M"}))
 
 
 def one_pass_eligible(q: torch.Tensor) -> bool:

@@ -300,17 +300,9 @@ def forward_pass(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, o4: torch
     grid = lambda block_m, block_n: (cdiv(n_queries, block_m), batch * heads)  # noqa: E731
     if warp_specialised:  # (warps: the first consumer's 4)
         return GluonPass(flash_forward_ws_kernel, args, flags, config, grid)
-    flags |= dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim])
-    if not host_descriptors or q4.numel() == 0:  # (a descriptor cannot describe an empty batch; nothing runs)
-        return GluonPass(flash_forward_gluon_kernel, args, flags, config, grid)
-
-    def host_args(block_m: int, block_n: int) -> tuple:  # the descriptors' tiles are the config's
-        tiles = [gluon_common.host_row_tiles(t, rows) for t, rows in ((q4, block_m), (k4, block_n), (v4, block_n),
-                                                                      (o4, block_m))]
-        return (*tiles, *args[4:])
-
-    return GluonPass(flash_forward_gluon_kernel, args, flags | dict(HOST_DESCRIPTORS=True), config, grid,
-                     args_for=host_args)
+    own = GluonPass(flash_forward_gluon_kernel, args, flags | dict(RESCALE_EARLY=FORWARD_RESCALE_EARLY[head_dim]),
+                    config, grid)
+    return gluon_common.on_host_descriptors(own, gluon_common.INPUT_TILES) if host_descriptors else own
 
 
 # ---- The same forward, warp-specialised (FA3's producer / consumer split; default at WARP_SPECIALISED_HEAD_DIMS) ----

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session65, session64, session64-short, session64-tune, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session66, session65, session64, session64-short, session64-tune, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -360,15 +360,25 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       gpu_tests session56 150 tests/test_kernels_rmsnorm_swiglu.py tests/test_operators.py tests/test_step_graph.py
       step_graph_sizes 360 medium,large 512,2048 on on --residual-norm on,off --rounds 2
       ;;
+    session66)
+      # Issue 32's sizes the optimizer weighs most (~9 min, H200 for the issue's card): large and xl at ctx 512, then
+      # medium and large at 2048, compiled per block with the step graph, against the baseline; then the attention
+      # train sweep with the host descriptors off beside session65's (on).
+      step_graph_sizes 260 large,xl 512 on on
+      step_graph_sizes 200 medium,large 2048 on on
+      CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
+      ;;
     session65)
-      # Host descriptors as the default, first whole run (~8 min, H200 for the issue's card, else H100): the attention
-      # and launch-plan GPU tests in full, the train sweep with two passes forced beside the default (does two passes on
-      # host descriptors now beat the one pass at 4096 keys: `ONE_PASS_MIN_KEYS`) and cuDNN, then the sweep with the
-      # host descriptors off (rows carry the switch; the report leaves them out).
-      gpu_tests session65 240 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py
+      # Host descriptors as the default, and FusedAdamW's 16-byte form, first whole run (~8.5 min, H200 for the issue's
+      # card, else H100): the attention, launch-plan and optimizer GPU tests in full; the optimizer step's bandwidth
+      # against torch's fused AdamW at large and xl (ours in its 4-byte form beside it); the train sweep with two
+      # passes forced beside the default (does two passes on host descriptors now beat the one pass at 4096 keys:
+      # `ONE_PASS_MIN_KEYS`) and cuDNN.
+      gpu_tests session65 240 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
+        tests/test_kernels_adamw.py tests/test_weight_copies.py tests/test_step_graph.py
+      timeout 100 python3 scripts/adamw_bandwidth.py 2>&1 | tail -16
       timeout 150 python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
         --rep-ms 500 --no-progress --results-dir "$R" 2>&1 | tail -14
-      CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
       ;;
     session64)
       # The passes on the host's tensor descriptors (~7.5 min, H100 or H200): session64-short, then the attention train

@@ -82,6 +82,51 @@ def test_multi_tensor_with_mixed_dtypes_and_missing_gradients():
         assert torch.equal(p, q)
 
 
+def test_whole_aligned_blocks_and_misaligned_views_update_alike(monkeypatch):
+    """Whole blocks at 16-byte aligned addresses take the kernel's unmasked 16-byte loads and stores; a tensor's
+    last partial block, or a parameter (or gradient) that is a view 4 bytes into its storage, the masked form. Both
+    forms must give the same bits, bf16 weight copies included, and the host must pick the masked form for any
+    misaligned address."""
+    from cs336_systems.kernels import adamw
+
+    device = kernel_device()
+    launched = []
+    real_kernel = adamw._kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["ALIGNED"])
+                return real_kernel()[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(adamw, "_kernel", Spy)
+    sizes = (adamw.BLOCK, 2 * adamw.BLOCK + 37, 5)  # a whole block; two and a tail; a tail alone
+
+    def run(offset_params: bool, offset_grads: bool):
+        torch.manual_seed(0)
+        storage = [torch.randn(n + 1, device=device) for n in sizes]
+        params = [torch.nn.Parameter(s[1:] if offset_params else s[1:].clone()) for s in storage]
+        for p in params:
+            p.compute_copy = torch.zeros(p.shape, dtype=torch.bfloat16, device=device)
+        opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for i, p in enumerate(params):
+                g = torch.randn(p.numel() + 1, generator=torch.Generator().manual_seed(10 * step + i)).to(device)
+                p.grad = g[1:] if offset_grads else g[1:].clone()
+            opt.step()
+        return params
+
+    aligned = run(False, False)
+    assert launched == [True] * 3
+    for offset_params, offset_grads in ((True, False), (False, True)):
+        launched.clear()
+        for ours, expected in zip(run(offset_params, offset_grads), aligned):
+            assert ours.data_ptr() % 16 != 0 or ours.grad.data_ptr() % 16 != 0
+            assert torch.equal(ours, expected) and torch.equal(ours.compute_copy, expected.compute_copy)
+        assert launched == [False] * 3
+
+
 def test_gradient_table_is_copied_to_the_device_only_for_new_addresses(monkeypatch):
     """Steps whose gradients sit at the addresses of an earlier step reuse its table (no host-to-device copy);
     gradients at new addresses get a new table, and the update follows them."""
@@ -105,7 +150,8 @@ def test_gradient_table_is_copied_to_the_device_only_for_new_addresses(monkeypat
     optimizer.step()
     assert len(built) == 5
     # the same four steps without a table: per tensor, the addresses passed fresh each launch
-    monkeypatch.setattr(FusedAdamW, "_gradient_table", lambda self, ps: real([p.grad for p in ps], ps[0].device))
+    monkeypatch.setattr(FusedAdamW, "_gradient_table",
+                        lambda self, ps: (real([p.grad for p in ps], ps[0].device), True))
     fresh = [torch.nn.Parameter(p0) for p0 in starts]
     plain = FusedAdamW(fresh, lr=0.1)
     for sign in (1, 1, 1, -1):

@@ -29,7 +29,6 @@ The learning rate and weight decay are read on the host at capture, as torch's c
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -37,58 +36,16 @@ import torch
 from cs336_systems.kernels._triton_utils import check_operator_device, runs_kernel
 
 MATHS = ("cs336", "torch")
-BLOCK = 1024
+BLOCK = 1024  # elements per program
+NUM_WARPS = 4
+VECTORISE = True  # 16-byte loads and stores where the addresses allow (False: the masked 4-byte form everywhere)
 GRADIENT_TABLES = 8  # gradient address tables kept (per optimizer): several groups and dtype batches each have one
 
 
-@functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
+    from cs336_systems.kernels import _adamw_triton  # (Triton imported only when a kernel runs)
 
-    @triton.jit
-    def adamw_multi_tensor_kernel(p_ptrs, g_ptrs, m_ptrs, v_ptrs, c_ptrs, t_ptrs, sizes, block_tensor, block_start,
-                                  decay, beta1, beta2, eps, step_size, bias2_sqrt, lr, P_DTYPE: tl.constexpr,
-                                  G_DTYPE: tl.constexpr, S_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
-                                  HAS_COPIES: tl.constexpr, TORCH_MATHS: tl.constexpr, CAPTURABLE: tl.constexpr,
-                                  BLOCK: tl.constexpr):
-        block = tl.program_id(0)
-        tensor = tl.load(block_tensor + block)
-        if CAPTURABLE:  # the bias corrections from the tensor's step count on the device (already advanced)
-            t = tl.load(tl.load(t_ptrs + tensor).to(tl.pointer_type(tl.float32)))
-            bias1 = 1.0 - tl.exp2(t * tl.log2(beta1))  # beta ** t; a beta of 0 gives log2 -inf, so 0
-            bias2 = 1.0 - tl.exp2(t * tl.log2(beta2))
-            bias2_sqrt = tl.sqrt(bias2)
-            if TORCH_MATHS:
-                step_size = lr / bias1
-            else:
-                step_size = lr * bias2_sqrt / bias1
-        offs = tl.load(block_start + block) + tl.arange(0, BLOCK)
-        mask = offs < tl.load(sizes + tensor)
-        p_ptr = tl.load(p_ptrs + tensor).to(tl.pointer_type(P_DTYPE))
-        g_ptr = tl.load(g_ptrs + tensor).to(tl.pointer_type(G_DTYPE))
-        m_ptr = tl.load(m_ptrs + tensor).to(tl.pointer_type(S_DTYPE))
-        v_ptr = tl.load(v_ptrs + tensor).to(tl.pointer_type(S_DTYPE))
-        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-        p = p * decay
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        if TORCH_MATHS:
-            p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        else:
-            p = p - step_size * m / (tl.sqrt(v) + eps)
-        tl.store(p_ptr + offs, p.to(P_DTYPE), mask=mask)
-        tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
-        tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
-        if HAS_COPIES:  # the weight's compute-dtype copy (address 0: this tensor has none)
-            c_address = tl.load(c_ptrs + tensor)
-            if c_address != 0:
-                tl.store(c_address.to(tl.pointer_type(C_DTYPE)) + offs, p.to(C_DTYPE), mask=mask)
-
-    return adamw_multi_tensor_kernel
+    return _adamw_triton.adamw_multi_tensor_kernel
 
 
 def _check_copy(p: torch.Tensor, copy: torch.Tensor | None) -> None:
@@ -103,6 +60,12 @@ def _tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _aligned(addresses) -> bool:
+    """Whether every address is a multiple of 16 bytes, as the kernel's 16-byte loads need (a fresh tensor's is;
+    a view's need not be)."""
+    return all(address % 16 == 0 for address in addresses)
 
 
 def _addresses(tensors, device) -> torch.Tensor:
@@ -125,7 +88,7 @@ class FusedAdamW(torch.optim.Optimizer):
         self.maths, self.state_dtype, self.multi_tensor = maths, state_dtype, multi_tensor
         self.capturable = capturable  # step counts on the device: step() can be captured in a CUDA graph
         self._tables_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}  # tensor addresses -> launch tables
-        self._gradient_tables: dict[tuple, torch.Tensor] = {}  # gradient addresses -> their table, newest last
+        self._gradient_tables: dict[tuple, tuple] = {}  # gradient addresses -> (their table, aligned), newest last
         self._captured_gradient_tables: list[torch.Tensor] = []  # those a captured step reads (prepare_capture)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
@@ -161,7 +124,7 @@ class FusedAdamW(torch.optim.Optimizer):
                     self._tables(params, states, copies)
                     # held here for good: a graph reads this table's memory at every replay, so the gradient
                     # tables' eviction (GRADIENT_TABLES) must never free it
-                    self._captured_gradient_tables.append(self._gradient_table(params))
+                    self._captured_gradient_tables.append(self._gradient_table(params)[0])
 
     def _batches(self, initialise: bool):
         """(group, {launch key: (params, states, copies)}) per param group, over the parameters with gradients;
@@ -224,9 +187,10 @@ class FusedAdamW(torch.optim.Optimizer):
         step_size = lr / bias1 if self.maths == "torch" else lr * math.sqrt(bias2) / bias1
         return 1 - lr * wd, beta1, beta2, eps, step_size, math.sqrt(bias2)
 
-    def _tables(self, params, states, copies) -> tuple[torch.Tensor, ...]:
-        """(sizes, block tensor index, block start, p/m/v/copy/step-count addresses) of `params`, built once per set
-        of tensors (the copies checked against their parameters then)."""
+    def _tables(self, params, states, copies) -> tuple:
+        """(sizes, block tensor index, block start, p/m/v/copy/step-count addresses, whether all of p/m/v/copy are
+        16-byte aligned) of `params`, built once per set of tensors (the copies checked against their parameters
+        then)."""
         key = tuple((p.data_ptr(), s["m"].data_ptr(), s["v"].data_ptr(), p.numel(), 0 if c is None else c.data_ptr(),
                      s["t"].data_ptr() if self.capturable else 0)
                     for p, s, c in zip(params, states, copies))
@@ -248,22 +212,24 @@ class FusedAdamW(torch.optim.Optimizer):
                 _addresses([s["v"] for s in states], device),
                 torch.tensor([0 if c is None else c.data_ptr() for c in copies], dtype=torch.int64, device=device),
                 torch.tensor([s["t"].data_ptr() if self.capturable else 0 for s in states], dtype=torch.int64,
-                             device=device))
+                             device=device),
+                _aligned(address for entry in key for address in entry[:3] + entry[4:5]))
         return self._tables_cache[key]
 
-    def _gradient_table(self, params) -> torch.Tensor:
-        """The gradients' addresses on the device. zero_grad(set_to_none=True) makes new gradient tensors each
-        step, but the caching allocator mostly hands back the same addresses: a table is reused for the same
-        addresses (its content is exactly them), so most steps copy nothing to the device and never wait on it."""
+    def _gradient_table(self, params) -> tuple[torch.Tensor, bool]:
+        """The gradients' addresses on the device, and whether all are 16-byte aligned. zero_grad(set_to_none=True)
+        makes new gradient tensors each step, but the caching allocator mostly hands back the same addresses: a table
+        is reused for the same addresses (its content is exactly them), so most steps copy nothing to the device and
+        never wait on it."""
         key = tuple(p.grad.data_ptr() for p in params)
-        table = self._gradient_tables.pop(key, None)
-        if table is None:
+        entry = self._gradient_tables.pop(key, None)
+        if entry is None:
             _refuse_while_capturing("the gradients' address table")
-            table = _addresses([p.grad for p in params], params[0].device)
-        self._gradient_tables[key] = table  # most recent last
+            entry = _addresses([p.grad for p in params], params[0].device), _aligned(key)
+        self._gradient_tables[key] = entry  # most recent last
         while len(self._gradient_tables) > GRADIENT_TABLES:
             self._gradient_tables.pop(next(iter(self._gradient_tables)))
-        return table
+        return entry
 
     def _launch(self, params, states, copies, group) -> None:
         if not runs_kernel(params[0]):
@@ -271,19 +237,21 @@ class FusedAdamW(torch.optim.Optimizer):
                 _check_copy(p, copy)
             self._update_eagerly(params, states, copies, group)
             return
-        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr, t_addr = self._tables(params, states,
-                                                                                                copies)
+        sizes, block_tensor, block_start, p_addr, m_addr, v_addr, c_addr, t_addr, aligned = self._tables(
+            params, states, copies)
         copy = next((c for c in copies if c is not None), None)  # (one batch: one copy dtype)
         if not block_tensor.numel():
             return
         # Capturable: the step size and bias2_sqrt arguments are unused (the kernel forms them from the step count)
         scalars = self._scalars(group, 1 if self.capturable else states[0]["t"])
+        g_addr, gradients_aligned = self._gradient_table(params)
         _kernel()[(block_tensor.numel(),)](
-            p_addr, self._gradient_table(params), m_addr, v_addr, c_addr, t_addr,
+            p_addr, g_addr, m_addr, v_addr, c_addr, t_addr,
             sizes, block_tensor, block_start, *scalars, group["lr"],
             P_DTYPE=_tl_dtype(params[0].dtype), G_DTYPE=_tl_dtype(params[0].grad.dtype),
             S_DTYPE=_tl_dtype(self.state_dtype), C_DTYPE=_tl_dtype(copy.dtype if copy is not None else torch.float32),
-            HAS_COPIES=copy is not None, TORCH_MATHS=self.maths == "torch", CAPTURABLE=self.capturable, BLOCK=BLOCK)
+            HAS_COPIES=copy is not None, TORCH_MATHS=self.maths == "torch", CAPTURABLE=self.capturable,
+            ALIGNED=VECTORISE and aligned and gradients_aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
 
 
 def _capturing() -> bool:

@@ -369,15 +369,15 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
       ;;
     session65)
-      # Host descriptors as the default, and FusedAdamW's 16-byte form, first whole run (~8.5 min, H200 for the issue's
+      # Host descriptors as the default, and FusedAdamW's 16-byte form, first whole run (~7.5 min, H200 for the issue's
       # card, else H100): the attention, launch-plan and optimizer GPU tests in full; the optimizer step's bandwidth
       # against torch's fused AdamW at large and xl (ours in its 4-byte form beside it); the train sweep with two
       # passes forced beside the default (does two passes on host descriptors now beat the one pass at 4096 keys:
       # `ONE_PASS_MIN_KEYS`) and cuDNN.
-      gpu_tests session65 240 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
+      gpu_tests session65 200 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
         tests/test_kernels_adamw.py tests/test_weight_copies.py tests/test_step_graph.py
-      timeout 100 python3 scripts/adamw_bandwidth.py 2>&1 | tail -16
-      timeout 150 python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
+      timeout 90 python3 scripts/adamw_bandwidth.py 2>&1 | tail -16
+      timeout 130 python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
         --rep-ms 500 --no-progress --results-dir "$R" 2>&1 | tail -14
       ;;
     session64)

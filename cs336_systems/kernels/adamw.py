@@ -7,7 +7,8 @@ State (m, v) is fp32 or bf16 (`state_dtype`); arithmetic is fp32 in registers ei
 `compute_copy` (`cs336_systems.weight_copies`: its bf16 or fp16 twin that the products read) has it written in the
 same pass, from the updated value (2 bytes more written an element).
 
-Memory-bound: 16 bytes read and 12 written per fp32 element, BLOCK=1024 elements per program.
+Memory-bound: 16 bytes read and 12 written per fp32 element, BLOCK=1024 elements per program, in 16-byte loads
+and stores where the tensors' addresses allow (`_adamw_triton`).
 Two launch schemes (`multi_tensor`):
 * multi-tensor (default): one launch per (parameter dtype, step count) over *all* parameters
   of a param group. Each program looks up which tensor it works on from a block table

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build-check-benchmark on a lent GPU machine, in stages, each writing under $OUT:
 #   bash scripts/device_run.sh STAGE [STAGE ...]
-# Stages: env, fp32-variants, session66, session65-min, session65-short, session65, session64, session64-short, session64-tune, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
+# Stages: env, fp32-variants, session66, session65-micro, session65-min, session65-short, session65, session64, session64-short, session64-tune, session63, session62-short, session61, session60, session59-8b, session59, session58, session57, session56, session55, session54, session53-sizes, session53-short, session53, session52, session51, session50, session50-short, session50-min, session50-tests, session49, session48, session47, session46, session45, session44, session43, session42, session41, session40, session39, session38, session37, session36, session35, session34, session33, session30, session31, session29, session28, session27, session26, session25, session24, session22, session16, session18, session21, session12, session13, session14, session15, session5, session6, session7, session8, session9, session10, session11, tests, tests-session, tests-host, tests-fuzz, tests-all, tests-native-build, tests-launch-plan, attention-targets, fp32-error, fp32-precision, tests-gluon, one-pass-ws, attention-native, tests-layout, tests-fp32, tests-fused, tests-attention-fused, attention, attention-train, attention-full (= attention-flash +
 # attention-handout), attention-host, attention-tune, model,
 # model-compiled, model-triton, model-fused, model-sizes, model-sizes-compiled, model-sizes-profile, model-sizes-inductor, host-profile, tests-split, attention-d256, report-gpu, profile, memory, memory-profile, precision, cross-entropy, leaderboard,
 # leaderboard-profile, leaderboard-quick, leaderboard-rope;
@@ -367,6 +367,11 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       step_graph_sizes 260 large,xl 512 on on
       step_graph_sizes 200 medium,large 2048 on on
       CS336_FLASH_HOST_DESCRIPTORS=0 attention_train_sweep
+      ;;
+    session65-micro)
+      # The optimizer alone (about 2 min): its GPU tests, its step's bandwidth at large.
+      gpu_tests session65 50 tests/test_kernels_adamw.py tests/test_weight_copies.py
+      timeout 50 python3 scripts/adamw_bandwidth.py --preset large --blocks 2048x4 --rep-ms 200 2>&1 | tail -8
       ;;
     session65-min)
       # The least of session65 (under 4 min): the optimizer's GPU tests, its step's bandwidth at large and xl, the

@@ -10,7 +10,8 @@ times `step()` (`triton.testing.do_bench` median and spread) for:
   ours-BLOCKxW    other block sizes and warps (--blocks)
   torch-fused     torch.optim.AdamW(fused=True) over the same parameters, no weight copies (what it writes)
 GB/s counts the bytes each must move: p, g, m, v read and p, m, v written in fp32 (28 a parameter), plus 2 for each
-weight copy ours writes. A measurement to choose the kernel's form from, not a test.
+weight copy ours writes. A measurement to choose the kernel's form from, not a test; rows (metric step_ms, one per
+case) go to `<results-dir>/optimizer-step.jsonl`.
 
     python scripts/adamw_bandwidth.py                          # large and xl
     python scripts/adamw_bandwidth.py --preset small --blocks 2048x4,4096x8
@@ -25,6 +26,7 @@ import torch
 
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels import adamw
+from cs336_systems.results import DEFAULT_RESULTS_DIR, ResultStore
 
 
 def _model(preset: str):
@@ -37,11 +39,13 @@ def _model(preset: str):
     return model
 
 
-def _time(step, rep_ms: int) -> tuple[float, float]:
+def _time(step, rep_ms: int) -> dict:
+    """do_bench's times of `step` (L2 flushed between calls) as a row's stats."""
     from triton.testing import do_bench
 
     times = do_bench(step, warmup=100, rep=rep_ms, return_mode="all")
-    return statistics.median(times), (max(times) - min(times)) / statistics.median(times)
+    return dict(median=statistics.median(times), mean=statistics.fmean(times), std=statistics.pstdev(times),
+                min=min(times), max=max(times), n=len(times), warmup=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated BLOCKxWARPS variants of ours to time beside the default (default "
                              "2048x4,4096x8; '' for none)")
     parser.add_argument("--rep-ms", type=int, default=500, help="milliseconds of timed steps each (default 500)")
+    parser.add_argument("--results-dir", default=str(DEFAULT_RESULTS_DIR),
+                        help=f"where optimizer-step.jsonl gets its rows (default {DEFAULT_RESULTS_DIR})")
     args = parser.parse_args(argv)
     presets = args.preset.split(",")
     unknown = [p for p in presets if p not in preset_names()]
@@ -66,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
 
+    if args.rep_ms < 1:
+        parser.error(f"--rep-ms must be >= 1, got {args.rep_ms}")
+    store = ResultStore("optimizer-step", "cuda", args.results_dir)
     print(f"{torch.cuda.get_device_name()}; median ms of step() (spread), GB/s of the bytes each must move")
+
+    def record(provider: str, stats: dict, moved: int, **config) -> None:
+        store.add(provider=provider, config=dict(preset=preset, parameters=elements, copied=copied,
+                                                 bytes_moved=moved, **config), metric="step_ms", unit="ms",
+                  stats=stats)
+        ms, spread = stats["median"], (stats["max"] - stats["min"]) / stats["median"]
+        print(f"  {provider:16s} {ms:7.3f} ms ({spread:5.1%})  {moved / ms / 1e6:6.0f} GB/s")
     for preset in presets:
         model = _model(preset)
         params = list(model.parameters())
@@ -83,15 +99,15 @@ def main(argv: list[str] | None = None) -> int:
                 setattr(adamw, key, value)
             try:
                 optimizer = adamw.FusedAdamW(params, lr=1e-4)  # a new one each: its launch tables use BLOCK
-                ms, spread = _time(optimizer.step, args.rep_ms)
+                stats = _time(optimizer.step, args.rep_ms)
+                form = dict(block=adamw.BLOCK, warps=adamw.NUM_WARPS, vectorise=adamw.VECTORISE)
             finally:
                 for key, value in defaults.items():
                     setattr(adamw, key, value)
-            print(f"  {name:16s} {ms:7.3f} ms ({spread:5.1%})  {ours_bytes / ms / 1e6:6.0f} GB/s")
+            record(name, stats, ours_bytes, **form)
             del optimizer
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        ms, spread = _time(optimizer.step, args.rep_ms)
-        print(f"  {'torch-fused':16s} {ms:7.3f} ms ({spread:5.1%})  {torch_bytes / ms / 1e6:6.0f} GB/s")
+        record("torch-fused", _time(optimizer.step, args.rep_ms), torch_bytes)
         del optimizer, model, params
         torch.cuda.empty_cache()
     return 0

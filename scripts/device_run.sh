@@ -371,13 +371,13 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
     session65-micro)
       # The optimizer alone (about 2 min): its GPU tests, its step's bandwidth at large.
       gpu_tests session65 50 tests/test_kernels_adamw.py tests/test_weight_copies.py
-      timeout 50 python3 scripts/adamw_bandwidth.py --preset large --blocks 2048x4 --rep-ms 200 2>&1 | tail -8
+      timeout 50 python3 scripts/adamw_bandwidth.py --preset large --blocks 2048x4 --rep-ms 200 --results-dir "$R" 2>&1 | tail -8
       ;;
     session65-min)
       # The least of session65 (under 4 min): the optimizer's GPU tests, its step's bandwidth at large and xl, the
       # attention train sweep against cuDNN.
       gpu_tests session65 60 tests/test_kernels_adamw.py tests/test_weight_copies.py
-      timeout 70 python3 scripts/adamw_bandwidth.py --rep-ms 300 2>&1 | tail -16
+      timeout 70 python3 scripts/adamw_bandwidth.py --rep-ms 300 --results-dir "$R" 2>&1 | tail -16
       timeout 90 python3 -m cs336_systems.bench attention --sweep train --provider triton,sdpa-cudnn --rep-ms 300 \
         --no-progress --results-dir "$R" 2>&1 | tail -10
       ;;
@@ -386,7 +386,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # bandwidth, the train sweep.
       gpu_tests session65 140 tests/test_kernels_adamw.py tests/test_weight_copies.py tests/test_step_graph.py \
         tests/test_kernels_flash_attention.py -k "adamw or copies or graph or host_descriptors"
-      timeout 80 python3 scripts/adamw_bandwidth.py 2>&1 | tail -16
+      timeout 80 python3 scripts/adamw_bandwidth.py --results-dir "$R" 2>&1 | tail -16
       timeout 120 python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
         --rep-ms 400 --no-progress --results-dir "$R" 2>&1 | tail -14
       ;;
@@ -398,7 +398,7 @@ or fp16-190 or fp16-194 or fp16-197 or fp16-199)) or ratios_script or step_host_
       # `ONE_PASS_MIN_KEYS`) and cuDNN.
       gpu_tests session65 200 tests/test_kernels_flash_attention.py tests/test_kernels_flash_launch_plan.py \
         tests/test_kernels_adamw.py tests/test_weight_copies.py tests/test_step_graph.py
-      timeout 90 python3 scripts/adamw_bandwidth.py 2>&1 | tail -16
+      timeout 90 python3 scripts/adamw_bandwidth.py --results-dir "$R" 2>&1 | tail -16
       timeout 130 python3 -m cs336_systems.bench attention --sweep train --provider triton,triton-two-pass-bwd,sdpa-cudnn \
         --rep-ms 500 --no-progress --results-dir "$R" 2>&1 | tail -14
       ;;

@@ -6,9 +6,11 @@ and torch's moved about 2.6 TB/s there. This builds the preset's model as our mo
 kernels, merged projections, bf16 weight copies that our step writes), gives every parameter an fp32 gradient, and
 times `step()` (`triton.testing.do_bench` median and spread) for:
   ours            FusedAdamW as the recipe makes it (16-byte loads and stores where the addresses are aligned)
+  ours-capturable the same with its step counts on the device, as the step graph (`--step-graph on`) runs it
   ours-4-byte     the same with `adamw.VECTORISE` off (the masked 4-byte form everywhere, the kernel before it)
   ours-BLOCKxW    other block sizes and warps (--blocks)
-  torch-fused     torch.optim.AdamW(fused=True) over the same parameters, no weight copies (what it writes)
+  torch-fused     torch.optim.AdamW(fused=True) over the same parameters, no weight copies (what it writes); and
+                  its capturable form (torch-fused-capturable), as the baseline's step graph runs it
 GB/s counts the bytes each must move: p, g, m, v read and p, m, v written in fp32 (28 a parameter), plus 2 for each
 weight copy ours writes. A measurement to choose the kernel's form from, not a test; rows (metric step_ms, one per
 case) go to `<results-dir>/optimizer-step.jsonl`.
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  bytes_moved=moved, **config), metric="step_ms", unit="ms",
                   stats=stats)
         ms, spread = stats["median"], (stats["max"] - stats["min"]) / stats["median"]
-        print(f"  {provider:16s} {ms:7.3f} ms ({spread:5.1%})  {moved / ms / 1e6:6.0f} GB/s")
+        print(f"  {provider:22s} {ms:7.3f} ms ({spread:5.1%})  {moved / ms / 1e6:6.0f} GB/s")
     for preset in presets:
         model = _model(preset)
         params = list(model.parameters())
@@ -91,24 +93,29 @@ def main(argv: list[str] | None = None) -> int:
         ours_bytes, torch_bytes = 28 * elements + 2 * copied, 28 * elements
         print(f"{preset}: {elements / 1e6:.0f} M parameters in {len(params)} tensors, {copied / 1e6:.0f} M with a "
               f"bf16 copy")
-        cases = [("ours", {}), ("ours-4-byte", {"VECTORISE": False})]
+        cases = [("ours", {}), ("ours-capturable", {}), ("ours-4-byte", {"VECTORISE": False})]
         cases += [(f"ours-{b}x{w}", {"BLOCK": b, "NUM_WARPS": w}) for b, w in variants]
         for name, settings in cases:
             defaults = {key: getattr(adamw, key) for key in settings}
             for key, value in settings.items():
                 setattr(adamw, key, value)
             try:
-                optimizer = adamw.FusedAdamW(params, lr=1e-4)  # a new one each: its launch tables use BLOCK
+                # a new one each (its launch tables use BLOCK); capturable as the step graph makes it
+                optimizer = adamw.FusedAdamW(params, lr=1e-4, capturable=name == "ours-capturable")
                 stats = _time(optimizer.step, args.rep_ms)
-                form = dict(block=adamw.BLOCK, warps=adamw.NUM_WARPS, vectorise=adamw.VECTORISE)
+                form = dict(block=adamw.BLOCK, warps=adamw.NUM_WARPS, vectorise=adamw.VECTORISE,
+                            capturable=optimizer.capturable)
             finally:
                 for key, value in defaults.items():
                     setattr(adamw, key, value)
             record(name, stats, ours_bytes, **form)
             del optimizer
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-        record("torch-fused", _time(optimizer.step, args.rep_ms), torch_bytes)
-        del optimizer, model, params
+        for capturable in (False, True):
+            optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=capturable)
+            record("torch-fused" + ("-capturable" if capturable else ""), _time(optimizer.step, args.rep_ms),
+                   torch_bytes, capturable=capturable)
+            del optimizer
+        del model, params
         torch.cuda.empty_cache()
     return 0
 

@@ -22,12 +22,14 @@ case) go to `<results-dir>/optimizer-step.jsonl`.
 from __future__ import annotations
 
 import argparse
-import statistics
+import contextlib
+from unittest import mock
 
 import torch
 
 from cs336_systems.config import ModelConfig, preset_names
 from cs336_systems.kernels import adamw
+from cs336_systems.profiling.timing import bench_kernel
 from cs336_systems.results import DEFAULT_RESULTS_DIR, ResultStore
 
 
@@ -43,11 +45,15 @@ def _model(preset: str):
 
 def _time(step, rep_ms: int) -> dict:
     """do_bench's times of `step` (L2 flushed between calls) as a row's stats."""
-    from triton.testing import do_bench
+    return bench_kernel(step, device="cuda", warmup_ms=100, rep_ms=rep_ms).stats()
 
-    times = do_bench(step, warmup=100, rep=rep_ms, return_mode="all")
-    return dict(median=statistics.median(times), mean=statistics.fmean(times), std=statistics.pstdev(times),
-                min=min(times), max=max(times), n=len(times), warmup=0)
+
+def _record(store: ResultStore, provider: str, stats: dict, sizes: dict, moved: int, **form) -> None:
+    """One case's row (the preset's `sizes`, the bytes it must move, its kernel's `form`) and its printed line."""
+    store.add(provider=provider, config=dict(**sizes, bytes_moved=moved, **form), metric="step_ms", unit="ms",
+              stats=stats)
+    ms, spread = stats["median"], (stats["max"] - stats["min"]) / stats["median"]
+    print(f"  {provider:22s} {ms:7.3f} ms ({spread:5.1%})  {moved / ms / 1e6:6.0f} GB/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,41 +85,29 @@ def main(argv: list[str] | None = None) -> int:
     store = ResultStore("optimizer-step", "cuda", args.results_dir)
     print(f"{torch.cuda.get_device_name()}; median ms of step() (spread), GB/s of the bytes each must move")
 
-    def record(provider: str, stats: dict, moved: int, **config) -> None:
-        store.add(provider=provider, config=dict(preset=preset, parameters=elements, copied=copied,
-                                                 bytes_moved=moved, **config), metric="step_ms", unit="ms",
-                  stats=stats)
-        ms, spread = stats["median"], (stats["max"] - stats["min"]) / stats["median"]
-        print(f"  {provider:22s} {ms:7.3f} ms ({spread:5.1%})  {moved / ms / 1e6:6.0f} GB/s")
     for preset in presets:
         model = _model(preset)
         params = list(model.parameters())
         elements = sum(p.numel() for p in params)
         copied = sum(p.numel() for p in params if getattr(p, "compute_copy", None) is not None)
-        ours_bytes, torch_bytes = 28 * elements + 2 * copied, 28 * elements
         print(f"{preset}: {elements / 1e6:.0f} M parameters in {len(params)} tensors, {copied / 1e6:.0f} M with a "
               f"bf16 copy")
+        sizes = dict(preset=preset, parameters=elements, copied=copied)
         cases = [("ours", {}), ("ours-capturable", {}), ("ours-4-byte", {"VECTORISE": False})]
         cases += [(f"ours-{b}x{w}", {"BLOCK": b, "NUM_WARPS": w}) for b, w in variants]
         for name, settings in cases:
-            defaults = {key: getattr(adamw, key) for key in settings}
-            for key, value in settings.items():
-                setattr(adamw, key, value)
-            try:
+            with mock.patch.multiple(adamw, **settings) if settings else contextlib.nullcontext():
                 # a new one each (its launch tables use BLOCK); capturable as the step graph makes it
                 optimizer = adamw.FusedAdamW(params, lr=1e-4, capturable=name == "ours-capturable")
                 stats = _time(optimizer.step, args.rep_ms)
                 form = dict(block=adamw.BLOCK, warps=adamw.NUM_WARPS, vectorise=adamw.VECTORISE,
                             capturable=optimizer.capturable)
-            finally:
-                for key, value in defaults.items():
-                    setattr(adamw, key, value)
-            record(name, stats, ours_bytes, **form)
+            _record(store, name, stats, sizes, 28 * elements + 2 * copied, **form)
             del optimizer
         for capturable in (False, True):
             optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=capturable)
-            record("torch-fused" + ("-capturable" if capturable else ""), _time(optimizer.step, args.rep_ms),
-                   torch_bytes, capturable=capturable)
+            _record(store, "torch-fused" + ("-capturable" if capturable else ""), _time(optimizer.step, args.rep_ms),
+                    sizes, 28 * elements, capturable=capturable)
             del optimizer
         del model, params
         torch.cuda.empty_cache()

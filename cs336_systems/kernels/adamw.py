@@ -214,7 +214,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 torch.tensor([0 if c is None else c.data_ptr() for c in copies], dtype=torch.int64, device=device),
                 torch.tensor([s["t"].data_ptr() if self.capturable else 0 for s in states], dtype=torch.int64,
                              device=device),
-                _aligned(address for entry in key for address in entry[:3] + entry[4:5]))
+                _aligned(address for entry in key for address in entry[:3] + entry[4:5]))  # (p, m, v, copy)
         return self._tables_cache[key]
 
     def _gradient_table(self, params) -> tuple[torch.Tensor, bool]:
